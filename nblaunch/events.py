@@ -1,0 +1,191 @@
+"""The records that travel from ranks to the notebook, and the run states.
+
+Everything a view shows arrives as one of these records: the protocol is readable here, in one
+place. Ranks send ``Started``, ``Log``, ``Progress``, ``Heartbeat``, ``Failure``, ``Result`` and
+``Finished`` over their event pipe; the parent's relay turns the ranks' raw stdout/stderr bytes
+into ``Stream`` records and adds ``RunInfo``, ``StateChange``, ``Diagnosis`` and ``RunEnded``.
+A view only renders records; it never infers a state on its own.
+
+Every record is a plain ``dict`` (a ``TypedDict``) with a ``kind`` key, so it pickles cheaply and
+prints readably.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal, Protocol, TypedDict
+
+
+class RunState(str, enum.Enum):
+    """Lifecycle of one rank, as the views show it."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    RETRYING = "RETRYING"
+    STALLED = "STALLED"
+    FAILED = "FAILED"
+    DONE = "DONE"
+    STOPPED = "STOPPED"
+
+
+# --- sent by ranks ------------------------------------------------------------------------------
+
+
+class Started(TypedDict):
+    kind: Literal["started"]
+    rank: int
+    pid: int
+    host: str
+    device: str  # "cpu", "cuda:0", ...
+
+
+class Log(TypedDict):
+    """A logging record from a rank (nblaunch's logger or any stdlib logger)."""
+
+    kind: Literal["log"]
+    rank: int
+    level: str  # "INFO", "WARNING", ...
+    name: str  # logger name
+    message: str
+    in_order: bool  # the view shows these in rank order rather than arrival order
+    seq: int  # per-rank counter of in-order records, so the parent can line them up
+    time: float
+
+
+class Progress(TypedDict):
+    """Progress of a multi-attempt operation, e.g. out-of-memory retries.
+
+    ``what`` names the operation ("batch_size"); ``text`` is the one-line rendering that
+    text views print; ``data`` holds the structured fields a widget may use.
+    """
+
+    kind: Literal["progress"]
+    rank: int
+    what: str
+    text: str
+    data: dict[str, Any]
+
+
+class Heartbeat(TypedDict):
+    """Where a rank's main thread is, sent about once a second while a task runs."""
+
+    kind: Literal["heartbeat"]
+    rank: int
+    where: str  # "file.py:12 in train"
+    collective: str | None  # "all_reduce" when inside a torch.distributed call, else None
+    wait_s: float  # total seconds spent inside collectives so far
+    busy_s: float  # total seconds of the task so far
+    last_output: float  # time.time() of the last write to stdout/stderr
+    stack: str  # formatted stack of every thread, for hang reports
+
+
+class Failure(TypedDict):
+    """A Python exception that ended a task on a rank."""
+
+    kind: Literal["failure"]
+    rank: int
+    exc_type: str  # qualified name, e.g. "builtins.ValueError"
+    message: str
+    traceback: str  # formatted remote traceback
+    exception_bytes: bytes | None  # the pickled exception (with traceback), when it pickles
+    where: str  # innermost user frame, "file.py:12 in train"
+
+
+class Result(TypedDict):
+    kind: Literal["result"]
+    rank: int
+    value_bytes: bytes
+
+
+class Finished(TypedDict):
+    """A rank left its task (after its Result or Failure)."""
+
+    kind: Literal["finished"]
+    rank: int
+
+
+# --- made by the parent -------------------------------------------------------------------------
+
+
+class Stream(TypedDict):
+    """One line a rank wrote to a file descriptor (1 or 2).
+
+    ``carriage`` is True for a line ended by ``\\r`` (a progress bar redrawing itself): a view
+    updates the rank's current line in place instead of adding one.
+    """
+
+    kind: Literal["stream"]
+    rank: int
+    fd: int
+    text: str
+    carriage: bool
+
+
+class RunInfo(TypedDict):
+    """The header of a run: sent once, before anything else."""
+
+    kind: Literal["run_info"]
+    world_size: int
+    device_kind: str  # "cpu", "NVIDIA H200", ...
+    start_method: str
+    debug: bool
+    run_dir: str
+    warnings: list[str]
+    started_at: float
+
+
+class StateChange(TypedDict):
+    kind: Literal["state"]
+    rank: int
+    state: RunState
+    detail: str  # e.g. the line where a stalled rank sits
+
+
+class Diagnosis(TypedDict):
+    """A finding for the error/progress panel: root cause, hang, shape mismatch, straggler.
+
+    ``severity`` is "error" for what ends the run, "warning" or "info" otherwise.
+    """
+
+    kind: Literal["diagnosis"]
+    title: str
+    body: str
+    severity: Literal["error", "warning", "info"]
+    rank: int | None
+    secondary: list[str]  # one line per secondary failure folded under the root cause
+
+
+class RunEnded(TypedDict):
+    kind: Literal["run_ended"]
+    ok: bool
+    elapsed_s: float
+    ranks: dict[int, str]  # rank -> one-line outcome ("returned 3", "ValueError: boom")
+
+
+Event = (
+    Started
+    | Log
+    | Progress
+    | Heartbeat
+    | Failure
+    | Result
+    | Finished
+    | Stream
+    | RunInfo
+    | StateChange
+    | Diagnosis
+    | RunEnded
+)
+
+
+class EventSink(Protocol):
+    """What the relay feeds: a view (widget, text) or a recorder in tests."""
+
+    def handle(self, event: Event) -> None:
+        """Take one record; must be cheap (coalesce, render later in ``flush``)."""
+
+    def flush(self) -> None:
+        """Called often by the relay (tens of times a second): render what changed."""
+
+    def close(self) -> None:
+        """The run is over: render the final state."""

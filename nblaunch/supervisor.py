@@ -1,0 +1,233 @@
+"""Starting, watching and stopping rank processes.
+
+The supervisor owns the launcher's processes and every pipe to them. It never signals a PID it
+did not start, escalates politely (SIGINT or SIGTERM, a grace period, then SIGKILL with a warning
+naming the rank that ignored the request), and closes every descriptor it opened, so a kernel can
+launch again and again without leaking processes, threads or file descriptors.
+
+Ranks start through ``torch.multiprocessing`` with one of three methods:
+
+- ``forkserver`` (default): a server process with torch preloaded forks each rank. After the first
+  launch a start costs about a fork, and CUDA initialised in the notebook does no harm.
+- ``spawn``: a fresh interpreter per rank; slowest, safest.
+- ``fork``: fork the notebook itself; refused once CUDA is initialised in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+import types
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from nblaunch.errors import LaunchError
+
+START_METHODS = ("forkserver", "spawn", "fork")
+# Modules the forkserver imports once, so that every rank it forks has them already.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "tblib", "nblaunch.worker"]
+
+
+@dataclass
+class RankProcess:
+    """One rank: its process and the parent's ends of its pipes."""
+
+    rank: int
+    process: Any  # multiprocessing.Process
+    conn: Connection  # events up, tasks down
+    stdout_r: Connection
+    stderr_r: Connection
+    exitcode: int | None = None
+    ended: bool = False  # the process has been joined
+    events_open: bool = True  # its event pipe has not reached EOF
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+@dataclass
+class Supervisor:
+    """Starts ``world_size`` rank processes and stops them again, whatever happened."""
+
+    world_size: int
+    start_method: str = "forkserver"
+    ranks: list[RankProcess] = field(default_factory=list)
+
+    def start(self, rank_ids: list[int] | None = None) -> None:
+        """Start one process per rank, running :func:`nblaunch.worker.main`.
+
+        Raises
+        ------
+        LaunchError
+            When the start method is refused (``fork`` after CUDA was initialised).
+        """
+        import torch.multiprocessing as mp
+
+        from nblaunch import worker
+
+        check_start_method(self.start_method)
+        context = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        try:
+            with _main_module_hidden():
+                for rank in rank_ids if rank_ids is not None else range(self.world_size):
+                    conn, child_conn = context.Pipe(duplex=True)
+                    stdout_r, stdout_w = context.Pipe(duplex=False)
+                    stderr_r, stderr_w = context.Pipe(duplex=False)
+                    process = context.Process(
+                        target=worker.main,
+                        args=(rank, child_conn, stdout_w, stderr_w, os.getpid()),
+                        name=f"nblaunch-rank-{rank}",
+                        daemon=False,
+                    )
+                    try:
+                        process.start()
+                    finally:
+                        for end in (child_conn, stdout_w, stderr_w):
+                            end.close()
+                    self.ranks.append(RankProcess(rank, process, conn, stdout_r, stderr_r))
+        except BaseException:
+            self.stop(grace=1.0)
+            raise
+
+    def send(self, rank: RankProcess, message: dict[str, Any]) -> bool:
+        """Send a message down a rank's pipe; False when the rank has gone."""
+        try:
+            rank.conn.send(message)
+            return True
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            return False
+
+    def reap(self) -> list[RankProcess]:
+        """Join ranks whose process has exited; return the newly ended ones."""
+        ended = []
+        for rank in self.ranks:
+            if not rank.ended and not rank.process.is_alive():
+                rank.process.join()
+                rank.exitcode = rank.process.exitcode
+                rank.ended = True
+                ended.append(rank)
+        return ended
+
+    def alive(self) -> list[RankProcess]:
+        return [r for r in self.ranks if not r.ended and r.process.is_alive()]
+
+    def interrupt(self) -> None:
+        """Send SIGINT to every live rank (a KeyboardInterrupt inside the task)."""
+        for rank in self.alive():
+            _signal_pid(rank.pid, signal.SIGINT)
+
+    def stop(self, grace: float = 2.0, *, first_signal: int = signal.SIGTERM) -> list[int]:
+        """Stop every live rank: ``first_signal``, up to ``grace`` seconds, then SIGKILL.
+
+        Returns the ranks that had to be killed. Closes every pipe.
+        """
+        killed: list[int] = []
+        live = self.alive()
+        for rank in live:
+            _signal_pid(rank.pid, first_signal)
+        deadline = time.monotonic() + grace
+        for rank in live:
+            rank.process.join(max(0.0, deadline - time.monotonic()))
+        stubborn = [r for r in live if r.process.is_alive()]
+        for rank in stubborn:
+            warnings.warn(
+                f"rank {rank.rank} (pid {rank.pid}) ignored "
+                f"{signal.Signals(first_signal).name} for {grace:g} s; killing it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            _signal_pid(rank.pid, signal.SIGKILL)
+            killed.append(rank.rank)
+        for rank in stubborn:
+            rank.process.join(5.0)
+        self.reap()
+        self.close()
+        return killed
+
+    def join(self, timeout: float = 5.0) -> None:
+        """Wait for ranks that were told to stop; kill those that do not, then close pipes."""
+        deadline = time.monotonic() + timeout
+        for rank in self.ranks:
+            if not rank.ended:
+                rank.process.join(max(0.0, deadline - time.monotonic()))
+        if self.alive():
+            self.stop(grace=1.0)
+        self.reap()
+        self.close()
+
+    def close(self) -> None:
+        """Close the parent's ends of every pipe and release the process objects."""
+        for rank in self.ranks:
+            for end in (rank.conn, rank.stdout_r, rank.stderr_r):
+                with contextlib.suppress(OSError):
+                    end.close()
+            if rank.ended:
+                with contextlib.suppress(ValueError):
+                    rank.process.close()
+
+
+def check_start_method(start_method: str) -> None:
+    """Refuse an unknown start method, and ``fork`` once CUDA is initialised here.
+
+    Raises
+    ------
+    LaunchError
+        With what to use instead.
+    """
+    if start_method not in START_METHODS:
+        raise LaunchError(
+            f"start_method={start_method!r} is not one of {', '.join(START_METHODS)}; "
+            "the default 'forkserver' is the fast and safe choice"
+        )
+    if start_method == "fork" and cuda_initialized():
+        raise LaunchError(
+            "start_method='fork' cannot be used: CUDA is already initialised in this process, "
+            "and a forked child cannot use it. Use the default start_method='forkserver' "
+            "(or 'spawn'), or restart the kernel and launch before touching the GPU."
+        )
+
+
+def cuda_initialized() -> bool:
+    """True when this process has already initialised CUDA (so ``fork`` is unsafe)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Keep ``spawn``/``forkserver`` children from re-running the caller's main script.
+
+    multiprocessing re-imports ``__main__`` by path in every child it prepares. A script that
+    calls the launcher at module level without an ``if __name__ == "__main__":`` guard would then
+    launch again from every rank. Ranks get everything from their payload, so show
+    multiprocessing a main module with no file while processes start.
+    """
+    real_main = sys.modules["__main__"]
+    stand_in = types.ModuleType("__main__")
+    stand_in.__spec__ = None
+    sys.modules["__main__"] = stand_in
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = real_main
+
+
+def _signal_pid(pid: int | None, signum: int) -> None:
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)

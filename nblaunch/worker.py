@@ -1,0 +1,400 @@
+"""The code that runs inside a rank.
+
+A rank process starts in :func:`main` (a module-level trampoline, so every start method can reach
+it), points its stdout/stderr file descriptors at pipes the parent reads, starts watching the
+process that launched it, receives a setup message (environment, ``sys.path``, rank, process
+group) and then runs tasks until it is told to stop. A one-shot launch is one task; the
+persistent pool sends many.
+
+Other modules reach the parent through :func:`emit` and learn where they run through
+:func:`current`; both are safe to call outside a launch (``current()`` is then ``None`` and
+``emit`` does nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from nblaunch.events import Event, Failure
+
+# Message kinds the parent sends down the task pipe.
+SETUP = "setup"
+TASK = "task"
+STOP = "stop"
+
+
+@dataclasses.dataclass
+class RankContext:
+    """Where this process sits in the launch; set once the setup message arrived."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: Any  # torch.device
+    backend: str
+    debug: bool
+    launcher_pid: int
+    options: dict[str, Any]  # free-form settings for in-rank features (log level, heartbeat)
+
+
+_context: RankContext | None = None
+_channel: _Channel | None = None
+# Modules imported in every rank at setup; each registers its task hooks (see add_task_hook).
+RANK_FEATURES = ("nblaunch.logging", "nblaunch.ops", "nblaunch.memory", "nblaunch.watchdog")
+# Hooks other modules register to run around each task (debug patches, heartbeats, logging).
+_task_hooks: list[Callable[[RankContext], contextlib.AbstractContextManager[Any]]] = []
+
+
+def current() -> RankContext | None:
+    """The rank context when called inside an nblaunch rank, else ``None``."""
+    return _context
+
+
+def emit(event: Event) -> None:
+    """Send one event to the parent; does nothing outside an nblaunch rank."""
+    if _channel is not None:
+        _channel.send(event)
+
+
+def add_task_hook(hook: Callable[[RankContext], contextlib.AbstractContextManager[Any]]) -> None:
+    """Run ``hook(context)`` as a context manager around every task on this rank.
+
+    Features that live inside ranks (heartbeats, debug-mode patches, log capture) register here
+    at import time; the hook list is per process, so it costs nothing in the parent.
+    """
+    if hook not in _task_hooks:
+        _task_hooks.append(hook)
+
+
+class _Channel:
+    """The rank's end of its duplex pipe: events up, tasks down. Sends are thread-safe."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, event: Event | dict[str, Any]) -> None:
+        with self._lock:
+            self.conn.send(event)
+
+    def recv(self) -> dict[str, Any]:
+        return self.conn.recv()
+
+
+def main(
+    rank: int,
+    conn: Connection,
+    stdout_w: Connection,
+    stderr_w: Connection,
+    launcher_pid: int,
+) -> None:
+    """Entry point of a rank process (the trampoline every start method calls).
+
+    Parameters
+    ----------
+    rank
+        Global rank of this process.
+    conn
+        Duplex pipe to the parent: events go up, setup/task/stop messages come down.
+    stdout_w, stderr_w
+        Write ends of the pipes the parent reads this rank's output from.
+    launcher_pid
+        The process that launched the run (the notebook kernel); the rank exits when it dies,
+        even though its parent process may be a forkserver.
+    """
+    global _channel
+    # Own process group: a terminal's Ctrl-C reaches only the launcher, which then stops every
+    # rank in order, instead of each rank raising KeyboardInterrupt at a random point.
+    with contextlib.suppress(OSError):
+        os.setpgrp()
+    # The launcher sends SIGINT to interrupt a task: make it a KeyboardInterrupt here.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _redirect_output(stdout_w, stderr_w)
+    _watch_launcher(launcher_pid)
+    _channel = _Channel(conn)
+    try:
+        setup = _channel.recv()
+        assert setup["kind"] == SETUP, setup
+        if not _set_up(rank, setup):
+            return
+        while True:
+            message = _channel.recv()
+            if message["kind"] == STOP:
+                break
+            _run_task(message)
+    except (EOFError, OSError):
+        pass  # the parent went away; nothing left to report to
+    finally:
+        _tear_down()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+
+
+def _redirect_output(stdout_w: Connection, stderr_w: Connection) -> None:
+    """Point fds 1 and 2 at the parent's pipes, so C-level output is captured too.
+
+    Python's own streams are rebuilt line-buffered on the new fds: every finished line reaches
+    the parent at once, and nothing sits in a buffer when the rank crashes.
+    """
+    for target, pipe in ((1, stdout_w), (2, stderr_w)):
+        os.dup2(pipe.fileno(), target)
+        pipe.close()
+    sys.stdout = _line_buffered(1)
+    sys.stderr = _line_buffered(2)
+
+
+def _line_buffered(fd: int) -> io.TextIOWrapper:
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(
+        io.BufferedWriter(raw),
+        encoding="utf-8",
+        errors="backslashreplace",
+        line_buffering=True,
+    )
+
+
+def _watch_launcher(launcher_pid: int) -> None:
+    """Exit this rank when the launching process dies, whatever killed it.
+
+    The rank's parent may be a forkserver, not the launcher, so parent-death signals do not
+    help; a pidfd becomes readable when the launcher exits.
+    """
+
+    def watch() -> None:
+        try:
+            pidfd = os.pidfd_open(launcher_pid)
+        except ProcessLookupError:
+            os._exit(1)
+        except (AttributeError, OSError):
+            while _pid_alive(launcher_pid):  # no pidfd (old kernel): poll
+                time.sleep(0.5)
+            os._exit(1)
+        select.select([pidfd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nblaunch-launcher-watch", daemon=True).start()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _set_up(rank: int, setup: dict[str, Any]) -> bool:
+    """Apply the parent's environment, pick the device, join the process group.
+
+    Returns False (after reporting a Failure) when the rank cannot take part.
+    """
+    global _context
+    # The forkserver started earlier: bring this rank up to the caller's present state.
+    os.environ.clear()
+    os.environ.update(setup["env"])
+    sys.path[:] = setup["sys_path"]
+    with contextlib.suppress(OSError):
+        os.chdir(setup["cwd"])
+    try:
+        import torch
+
+        if setup.get("num_threads"):
+            torch.set_num_threads(setup["num_threads"])
+        device = _pick_device(setup["device_type"], int(os.environ["LOCAL_RANK"]))
+        _context = RankContext(
+            rank=rank,
+            local_rank=int(os.environ["LOCAL_RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
+            device=device,
+            backend=setup["backend"],
+            debug=bool(setup.get("debug")),
+            launcher_pid=setup["launcher_pid"],
+            options=dict(setup.get("options") or {}),
+        )
+        _import_features()
+        if setup["init_process_group"]:
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                backend=setup["backend"],
+                init_method="env://",
+                rank=rank,
+                world_size=_context.world_size,
+                device_id=device if device.type == "cuda" else None,
+            )
+    except BaseException as exc:
+        emit(failure_event(rank, exc))
+        emit({"kind": "finished", "rank": rank})
+        return False
+    emit(
+        {
+            "kind": "started",
+            "rank": rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "device": str(device),
+        }
+    )
+    return True
+
+
+def _import_features() -> None:
+    import importlib
+
+    for name in RANK_FEATURES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # the feature exists but something it needs is missing
+                raise
+
+
+def _pick_device(device_type: str, local_rank: int) -> Any:
+    import torch
+
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if device_type == "xla":
+        import torch_xla.core.xla_model as xm  # type: ignore[import-not-found]
+
+        return xm.xla_device()
+    return torch.device("cpu")
+
+
+def _run_task(message: dict[str, Any]) -> None:
+    """Run one task and report its Result or Failure, then Finished."""
+    import cloudpickle
+
+    assert _context is not None
+    rank = _context.rank
+    try:
+        with contextlib.ExitStack() as hooks:
+            for hook in _task_hooks:
+                hooks.enter_context(hook(_context))
+            function, args, kwargs = cloudpickle.loads(message["payload"])
+            value = function(*args, **kwargs)
+        try:
+            value_bytes = cloudpickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"the function returned a {type(value).__name__} that cannot be pickled back "
+                f"to the notebook ({exc}); return plain data, tensors or a state_dict instead"
+            ) from None
+        emit({"kind": "result", "rank": rank, "value_bytes": value_bytes})
+    except BaseException as exc:  # KeyboardInterrupt and SystemExit are reported too
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        emit(failure_event(rank, exc))
+    emit({"kind": "finished", "rank": rank})
+
+
+def failure_event(rank: int, exc: BaseException) -> Failure:
+    """Describe ``exc`` for the parent: type, message, traceback text and the exception itself."""
+    exc_type = type(exc)
+    return {
+        "kind": "failure",
+        "rank": rank,
+        "exc_type": f"{exc_type.__module__}.{exc_type.__qualname__}",
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc_type, exc, exc.__traceback__)),
+        "exception_bytes": _pickle_exception(exc),
+        "where": _innermost_user_frame(exc),
+    }
+
+
+def _pickle_exception(exc: BaseException) -> bytes | None:
+    import cloudpickle
+    from tblib import pickling_support
+
+    try:
+        pickling_support.install(exc)
+        return cloudpickle.dumps(exc)
+    except Exception:
+        return None
+
+
+def _innermost_user_frame(exc: BaseException) -> str:
+    """The deepest traceback frame outside nblaunch, torch and the standard library."""
+    skip = (os.path.dirname(__file__), os.path.dirname(os.__file__))
+    where = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not frame.filename.startswith(skip) and "/torch/" not in frame.filename:
+            where = f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return where
+
+
+def _tear_down() -> None:
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# --- inside a rank: public accessors --------------------------------------------------------------
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def rank() -> int:
+    """Global rank of this process (0 outside a launch; honours torchrun's ``RANK``)."""
+    return _context.rank if _context else _env_int("RANK", 0)
+
+
+def local_rank() -> int:
+    """Rank of this process on its node (``LOCAL_RANK``)."""
+    return _context.local_rank if _context else _env_int("LOCAL_RANK", 0)
+
+
+def world_size() -> int:
+    """Number of ranks in the run (1 outside a launch)."""
+    return _context.world_size if _context else _env_int("WORLD_SIZE", 1)
+
+
+def device() -> Any:
+    """The ``torch.device`` of this rank: ``cuda:<local_rank>`` on GPUs, else CPU."""
+    import torch
+
+    if _context:
+        return _context.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def is_main_process() -> bool:
+    """True on global rank 0."""
+    return rank() == 0
+
+
+def wait_for_everyone() -> None:
+    """Block until every rank reaches this point (a barrier; a no-op without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
