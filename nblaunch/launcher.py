@@ -399,14 +399,14 @@ def serialize_payload(
         When something does not pickle, naming the object (``args[1]``, ``kwargs['f']``, the
         variable ``lock`` the function uses) and its type.
     """
-    import cloudpickle
+    from nblaunch import pickling
 
     if not isinstance(args, (tuple, list)):
         raise LaunchError(f"args must be a tuple of arguments, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise LaunchError(f"kwargs must be a dict, got {type(kwargs).__name__}")
     try:
-        return cloudpickle.dumps((function, tuple(args), dict(kwargs or {})))
+        return pickling.dumps((function, tuple(args), dict(kwargs or {})))
     except Exception as exc:
         culprit = find_unpicklable(function, args, kwargs or {})
         what = culprit or "the function or its arguments"
@@ -534,30 +534,14 @@ class Run:
         self.started_at = time.time()
         self.states: dict[int, RunState] = {}
         self.monitors = make_monitors(plan)
+        self.task_ranks: list[int] = list(range(plan.world_size))  # the ranks running a task
 
     def execute(self, payload: bytes) -> list[Any]:
         """Run the payload on every rank and return the results, or raise the root cause."""
-        plan = self.plan
         interrupted = False
         try:
-            self.supervisor.start()
-            self.relay = Relay(self.supervisor.ranks, self.view, plan.run_dir)
-            self.publish(
-                {
-                    "kind": "run_info",
-                    "world_size": plan.world_size,
-                    "device_kind": plan.device_kind,
-                    "start_method": plan.start_method,
-                    "debug": plan.debug,
-                    "run_dir": str(plan.run_dir) if plan.run_dir else "",
-                    "warnings": plan.warnings,
-                    "started_at": self.started_at,
-                }
-            )
-            for rank in self.supervisor.ranks:
-                self.set_state(rank.rank, RunState.STARTING)
-                self.supervisor.send(rank, plan.setup_message(rank.rank))
-                self.supervisor.send(rank, {"kind": TASK, "payload": payload, "task_id": 0})
+            self.start()
+            self.send_task(payload)
             self._watch()
         except KeyboardInterrupt:
             interrupted = True
@@ -567,6 +551,39 @@ class Run:
         if interrupted:
             raise KeyboardInterrupt
         return self._conclude()
+
+    def start(self) -> None:
+        """Start the ranks, open the relay, announce the run and send every rank its setup."""
+        self.supervisor.start()
+        self.relay = Relay(self.supervisor.ranks, self.view, self.plan.run_dir)
+        self.announce()
+        for rank in self.supervisor.ranks:
+            self.set_state(rank.rank, RunState.STARTING)
+            self.supervisor.send(rank, self.plan.setup_message(rank.rank))
+
+    def announce(self, warnings: list[str] | None = None) -> None:
+        """Publish the run's header (``RunInfo``); a pool sends one per task, to each new view."""
+        plan = self.plan
+        self.publish(
+            {
+                "kind": "run_info",
+                "world_size": plan.world_size,
+                "device_kind": plan.device_kind,
+                "start_method": plan.start_method,
+                "debug": plan.debug,
+                "run_dir": str(plan.run_dir) if plan.run_dir else "",
+                "warnings": plan.warnings if warnings is None else warnings,
+                "started_at": self.started_at,
+            }
+        )
+
+    def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
+        """Send one task to ``ranks`` (default: all); the run then waits for those ranks only."""
+        self.task_ranks = list(range(self.plan.world_size)) if ranks is None else list(ranks)
+        for rank in self.task_ranks:
+            self.supervisor.send(
+                self.supervisor.ranks[rank], {"kind": TASK, "payload": payload, "task_id": task_id}
+            )
 
     def publish(self, event: Event) -> None:
         if self.relay is not None:
@@ -596,7 +613,7 @@ class Run:
                     self._on_event(event)
                 if rank.rank not in outcome.finished:
                     self._on_death(rank.rank, rank.exitcode)
-            if len(outcome.results) == self.plan.world_size:
+            if len(outcome.results) == len(self.task_ranks):
                 return
             for monitor in self.monitors:
                 root = monitor.check(self)
@@ -693,7 +710,7 @@ class Run:
             if ok:
                 for rank in supervisor.ranks:
                     supervisor.send(rank, {"kind": STOP})
-                supervisor.join(timeout=5.0)
+                self._relay_until_exited(timeout=5.0)
             else:
                 for rank in range(self.plan.world_size):
                     if rank not in self.outcome.finished and self.states.get(rank) in (
@@ -702,7 +719,7 @@ class Run:
                         RunState.STALLED,
                     ):
                         self.set_state(rank, RunState.STOPPED, "stopped after another rank failed")
-                supervisor.stop(grace=STOP_GRACE_S)
+            supervisor.stop(grace=STOP_GRACE_S)
         except KeyboardInterrupt:
             supervisor.stop(grace=0.0)
             raise
@@ -714,9 +731,17 @@ class Run:
             supervisor.close()
             self.view.close()
 
+    def _relay_until_exited(self, timeout: float) -> None:
+        """Keep reading output while ranks shut down, so none blocks on a full pipe."""
+        deadline = time.monotonic() + timeout
+        while self.supervisor.alive() and time.monotonic() < deadline:
+            if self.relay is not None:
+                self.relay.poll(0.02)
+            self.supervisor.reap()
+
     def _run_ended(self, ok: bool) -> Event:
         outcomes: dict[int, str] = {}
-        for rank in range(self.plan.world_size):
+        for rank in self.task_ranks:
             if rank in self.outcome.results:
                 outcomes[rank] = "returned"
             else:
@@ -741,9 +766,9 @@ class Run:
         import cloudpickle
 
         outcome = self.outcome
-        if outcome.root is None and len(outcome.results) == self.plan.world_size:
+        if outcome.root is None and len(outcome.results) == len(self.task_ranks):
             values = []
-            for rank in range(self.plan.world_size):
+            for rank in self.task_ranks:
                 try:
                     values.append(cloudpickle.loads(outcome.results[rank]))
                 except Exception as exc:

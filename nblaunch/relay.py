@@ -111,6 +111,32 @@ class Relay:
         self._partial.clear()
         self.sink.flush()
 
+    def drain_ready(self, limit_s: float = 0.5) -> list[dict[str, Any]]:
+        """Read what the pipes hold right now, without waiting for more; end partial lines.
+
+        A persistent pool calls this when a task ends, so everything the task wrote shows
+        under its own cell; ``limit_s`` bounds it when a rank keeps printing from a thread.
+        Returns the events from ranks.
+        """
+        received: list[dict[str, Any]] = []
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            ready = self._selector.select(0)
+            if not ready:
+                break
+            for key, _ in ready:
+                rank, fd = key.data
+                if fd == 0:
+                    received.extend(self._read_events(rank, key.fd))
+                else:
+                    self._read_output(rank, fd, key.fd)
+        for (rank, fd), rest in list(self._partial.items()):
+            if rest:
+                self._emit_line(rank, fd, rest, carriage=False)
+        self._partial.clear()
+        self.sink.flush()
+        return received
+
     def close(self) -> None:
         """Stop reading; close log files (the pipes belong to the supervisor)."""
         for key in list(self._selector.get_map().values()):

@@ -128,7 +128,8 @@ class Supervisor:
     def stop(self, grace: float = 2.0, *, first_signal: int = signal.SIGTERM) -> list[int]:
         """Stop every live rank: ``first_signal``, up to ``grace`` seconds, then SIGKILL.
 
-        Returns the ranks that had to be killed. Closes every pipe.
+        Returns the ranks that had to be killed. The pipes stay open, so what the ranks wrote
+        last can still be read; :meth:`close` closes them.
         """
         killed: list[int] = []
         live = self.alive()
@@ -150,19 +151,7 @@ class Supervisor:
         for rank in stubborn:
             rank.process.join(5.0)
         self.reap()
-        self.close()
         return killed
-
-    def join(self, timeout: float = 5.0) -> None:
-        """Wait for ranks that were told to stop; kill those that do not, then close pipes."""
-        deadline = time.monotonic() + timeout
-        for rank in self.ranks:
-            if not rank.ended:
-                rank.process.join(max(0.0, deadline - time.monotonic()))
-        if self.alive():
-            self.stop(grace=1.0)
-        self.reap()
-        self.close()
 
     def close(self) -> None:
         """Close the parent's ends of every pipe and release the process objects."""

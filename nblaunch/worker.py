@@ -52,6 +52,7 @@ class RankContext:
 
 
 _context: RankContext | None = None
+_in_task = False  # user code of a task is running: SIGINT raises KeyboardInterrupt
 _channel: _Channel | None = None
 # Modules imported in every rank at setup; each registers its task hooks (see add_task_hook).
 RANK_FEATURES = ("nblaunch.logging", "nblaunch.ops", "nblaunch.memory", "nblaunch.watchdog")
@@ -122,7 +123,7 @@ def main(
     with contextlib.suppress(OSError):
         os.setpgrp()
     # The launcher sends SIGINT to interrupt a task: make it a KeyboardInterrupt here.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _on_sigint)
     _redirect_output(stdout_w, stderr_w)
     _watch_launcher(launcher_pid)
     _channel = _Channel(conn)
@@ -235,7 +236,7 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
 
             dist.init_process_group(
                 backend=setup["backend"],
-                init_method="env://",
+                store=_rendezvous_store(rank, _context.world_size),
                 rank=rank,
                 world_size=_context.world_size,
                 device_id=device if device.type == "cuda" else None,
@@ -254,6 +255,28 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
         }
     )
     return True
+
+
+def _rendezvous_store(rank: int, world_size: int) -> Any:
+    """The TCPStore the process group meets in, listening on ``MASTER_ADDR`` only.
+
+    ``init_method="env://"`` would make rank 0 listen on every interface; binding the socket
+    ourselves keeps a single-node run on loopback.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    address = os.environ["MASTER_ADDR"]
+    port = int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(minutes=30)
+    if rank != 0:
+        return dist.TCPStore(address, port, world_size, False, timeout)
+    listener = socket.create_server((address, port), reuse_port=False)
+    store = dist.TCPStore(
+        address, port, world_size, True, timeout, master_listen_fd=listener.detach()
+    )
+    return store
 
 
 def _import_features() -> None:
@@ -280,8 +303,19 @@ def _pick_device(device_type: str, local_rank: int) -> Any:
     return torch.device("cpu")
 
 
+def _on_sigint(signum: int, frame: Any) -> None:
+    """SIGINT interrupts the running task; between tasks it is ignored.
+
+    Outside user code a KeyboardInterrupt could land in the middle of a message to the parent
+    and break the pipe protocol, or end a pool rank that waits for its next task.
+    """
+    if _in_task:
+        raise KeyboardInterrupt
+
+
 def _run_task(message: dict[str, Any]) -> None:
     """Run one task and report its Result or Failure, then Finished."""
+    global _in_task
     import cloudpickle
 
     assert _context is not None
@@ -291,7 +325,11 @@ def _run_task(message: dict[str, Any]) -> None:
             for hook in _task_hooks:
                 hooks.enter_context(hook(_context))
             function, args, kwargs = cloudpickle.loads(message["payload"])
-            value = function(*args, **kwargs)
+            _in_task = True
+            try:
+                value = function(*args, **kwargs)
+            finally:
+                _in_task = False
         try:
             value_bytes = cloudpickle.dumps(value)
         except Exception as exc:
@@ -305,6 +343,9 @@ def _run_task(message: dict[str, Any]) -> None:
             with contextlib.suppress(Exception):
                 stream.flush()
         emit(failure_event(rank, exc))
+    for stream in (sys.stdout, sys.stderr):  # a last line without "\n" belongs to this task
+        with contextlib.suppress(Exception):
+            stream.flush()
     emit({"kind": "finished", "rank": rank})
 
 

@@ -1,0 +1,455 @@
+"""notebook_launcher end to end: real rank processes, CPU, gloo, 2 ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+
+import psutil
+import pytest
+from conftest import rank_children, wait_until
+
+import nblaunch
+from nblaunch import LaunchError, LaunchTimeoutError, RankFailedError, notebook_launcher
+from nblaunch import supervisor as supervisor_module
+
+
+def launch(function, args=(), n=2, **kwargs):
+    kwargs.setdefault("display", "none")
+    return notebook_launcher(function, args, n, device_type="cpu", **kwargs)
+
+
+# --- running and returning -----------------------------------------------------------------------
+
+
+def test_returns_values_by_rank_after_an_all_reduce():
+    def hello(scale):
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(total)
+        return dist.get_rank() * scale, total.item()
+
+    assert launch(hello, (10,)) == [(0, 3.0), (10, 3.0)]
+
+
+def test_every_rank_gets_the_torchrun_contract():
+    def contract():
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+        return {k: os.environ[k] for k in keys}, int(os.environ["MASTER_PORT"])
+
+    (rank0, port0), (rank1, port1) = launch(contract)
+    assert rank0 == {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    assert rank1["RANK"] == "1" and rank1["LOCAL_RANK"] == "1"
+    assert port0 == port1 > 0
+
+
+def test_lambdas_closures_and_accessors_travel_by_value():
+    offset = 5
+
+    def closure():
+        return nblaunch.rank() + offset, nblaunch.world_size(), str(nblaunch.device())
+
+    assert launch(closure) == [(5, 2, "cpu"), (6, 2, "cpu")]
+    assert launch(lambda: nblaunch.is_main_process()) == [True, False]
+
+
+def test_process_group_is_set_up_and_torn_down():
+    def check():
+        import torch.distributed as dist
+
+        return dist.is_initialized(), dist.get_backend(), dist.get_world_size()
+
+    assert launch(check) == [(True, "gloo", 2)] * 2
+
+    def no_group():
+        import torch.distributed as dist
+
+        return dist.is_initialized()
+
+    assert launch(no_group, setup_process_group=False) == [False, False]
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_other_start_methods(start_method):
+    def who():
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    assert launch(who, start_method=start_method) == [0, 1]
+
+
+def test_environment_and_sys_path_of_the_caller_reach_the_ranks(tmp_path, monkeypatch):
+    launch(lambda: None)  # make sure the forkserver already runs
+    (tmp_path / "late_module.py").write_text("VALUE = 'imported late'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("NBLAUNCH_TEST_LATE", "set after the forkserver started")
+
+    def read():
+        import late_module
+
+        return late_module.VALUE, os.environ["NBLAUNCH_TEST_LATE"]
+
+    assert launch(read) == [("imported late", "set after the forkserver started")] * 2
+
+
+def test_rendezvous_listens_on_loopback_only():
+    def listening():
+        return sorted(
+            {c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}
+        )
+
+    for addresses in launch(listening):
+        assert addresses and all(a.startswith("127.") for a in addresses), addresses
+
+
+def test_accelerate_accelerator_works_unchanged_inside_a_launch():
+    pytest.importorskip("accelerate")
+
+    def with_accelerate():
+        import torch
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+        gathered = accelerator.gather(torch.tensor([accelerator.process_index]))
+        return accelerator.num_processes, gathered.tolist()
+
+    assert launch(with_accelerate) == [(2, [0, 1])] * 2
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def test_output_is_captured_at_the_fd_level_and_prefixed(capsys):
+    def chatty():
+        rank = nblaunch.rank()
+        print(f"python print from {rank}")
+        os.write(1, f"raw fd write from {rank}\n".encode())
+        os.system(f"echo child process output from {rank}")
+        print(f"to stderr from {rank}", file=sys.stderr)
+
+    launch(chatty, display="text")
+    out, err = capsys.readouterr()
+    for rank in (0, 1):
+        assert f"[rank {rank}] python print from {rank}\n" in out
+        assert f"[rank {rank}] raw fd write from {rank}\n" in out
+        assert f"[rank {rank}] child process output from {rank}\n" in out
+        assert f"[rank {rank}] to stderr from {rank}\n" in err
+
+
+def test_lines_of_two_ranks_are_never_glued(capsys):
+    def many():
+        for i in range(2000):
+            print(f"rank {nblaunch.rank()} line {i}")
+
+    launch(many, display="text")
+    lines = [line for line in capsys.readouterr().out.splitlines() if " line " in line]
+    assert len(lines) == 4000
+    for line in lines:
+        prefix, _, rest = line.partition("] ")
+        assert rest.startswith(f"rank {prefix[-1]} line "), line
+        assert rest.count("line") == 1, line
+
+
+def test_full_output_goes_to_per_rank_log_files(tmp_path):
+    run_dir = tmp_path / "run"
+    launch(lambda: print(f"logged by {nblaunch.rank()}"), run_dir=run_dir)
+    for rank in (0, 1):
+        assert f"logged by {rank}" in (run_dir / f"rank{rank}.log").read_text()
+
+
+# --- failures ------------------------------------------------------------------------------------
+
+
+def raise_on_rank_1():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that is gone
+
+
+@pytest.mark.slow
+def test_the_failing_ranks_own_exception_is_the_root_cause_every_time():
+    for _ in range(10):
+        with pytest.raises(ValueError, match="boom on rank 1") as info:
+            launch(raise_on_rank_1)
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "raised on rank 1 of 2" in notes
+
+
+def test_remote_traceback_shows_the_users_source_line():
+    def deep():
+        value = {"a": 1}
+        return value["missing key"]  # the line the traceback must show
+
+    with pytest.raises(KeyError) as info:
+        launch(deep)
+    text = "".join(traceback.format_exception(info.value))
+    assert 'return value["missing key"]  # the line the traceback must show' in text
+
+
+def test_secondary_failures_never_win():
+    from nblaunch.errors import is_secondary_failure
+
+    assert is_secondary_failure(
+        "torch.distributed.DistBackendError",
+        "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234",
+    )
+    assert is_secondary_failure("builtins.RuntimeError", "Connection reset by peer")
+    assert not is_secondary_failure("builtins.ValueError", "boom on rank 1")
+
+
+@pytest.mark.parametrize(
+    ("body", "exitcode", "signum"),
+    [
+        ("os._exit(3)", 3, None),
+        ("os.kill(os.getpid(), signal.SIGKILL)", -9, signal.SIGKILL),
+        ("import ctypes; ctypes.string_at(0)", -11, signal.SIGSEGV),
+    ],
+)
+def test_a_rank_that_dies_without_an_exception(body, exitcode, signum):
+    namespace = {}
+    exec(
+        textwrap.dedent(
+            f"""
+            def die():
+                import os, signal, time
+                import nblaunch
+                if nblaunch.rank() == 1:
+                    print("last words", flush=True)
+                    {body}
+                time.sleep(30)
+            """
+        ),
+        namespace,
+    )
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(namespace["die"])
+    assert time.monotonic() - started < 10
+    error = info.value
+    assert (error.rank, error.exitcode, error.signal) == (1, exitcode, signum)
+    assert "rank 1 of 2" in str(error) and "last words" in str(error)
+
+
+def test_an_exception_that_cannot_be_recreated_becomes_rank_failed_error():
+    def odd():
+        class Unpicklable(Exception):
+            def __reduce__(self):
+                raise TypeError("no pickling")
+
+        raise Unpicklable("strange failure")
+
+    with pytest.raises(RankFailedError, match="strange failure") as info:
+        launch(odd, n=1)
+    assert "Unpicklable" in info.value.remote_traceback
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_with_a_warning():
+    def stubborn():
+        import signal as sig
+        import time as t
+
+        if nblaunch.rank() == 0:
+            sig.signal(sig.SIGTERM, sig.SIG_IGN)
+            t.sleep(60)
+        raise RuntimeError("rank 1 fails")
+
+    with pytest.warns(RuntimeWarning, match="rank 0 .* ignored SIGTERM"):
+        with pytest.raises(RuntimeError, match="rank 1 fails"):
+            launch(stubborn)
+    assert wait_until(lambda: not rank_children(), timeout=5)
+
+
+def test_timeout_stops_the_run_and_names_running_ranks():
+    def slow():
+        import time as t
+
+        if nblaunch.rank() == 1:
+            t.sleep(60)
+
+    started = time.monotonic()
+    with pytest.raises(LaunchTimeoutError, match=r"rank\(s\) 1 of 2 still running"):
+        launch(slow, timeout=1.5, setup_process_group=False)
+    assert time.monotonic() - started < 8
+    assert wait_until(lambda: not rank_children(), timeout=5)
+
+
+def test_interrupt_stops_every_rank_and_the_next_launch_works():
+    def forever():
+        import time as t
+
+        t.sleep(60)
+
+    handler_before = signal.getsignal(signal.SIGINT)
+    timer = threading.Timer(1.5, signal.raise_signal, (signal.SIGINT,))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launch(forever)
+    assert time.monotonic() - started < 1.5 + 5
+    assert wait_until(lambda: not rank_children(), timeout=5)
+    assert signal.getsignal(signal.SIGINT) is handler_before
+    assert launch(lambda: nblaunch.rank()) == [0, 1]
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_processes": 0}, "at least 1"),
+        ({"num_processes": -2}, "at least 1"),
+        ({"num_processes": 2.5}, "whole number"),
+        ({"num_processes": "2"}, "whole number"),
+        ({"num_processes": True}, "whole number"),
+        ({"num_processes": 2, "start_method": "thread"}, "start_method='thread'"),
+        ({"num_processes": 2, "device_type": "cuda"}, "no CUDA device"),
+        ({"num_processes": 2, "timeout": -1}, "timeout must be"),
+        ({"num_processes": 2, "display": "fancy"}, "display='fancy'"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_starts(kwargs, message):
+    with pytest.raises(LaunchError, match=message):
+        notebook_launcher(print, **kwargs)
+    assert not rank_children()
+
+
+def test_a_non_callable_is_refused():
+    with pytest.raises(LaunchError, match="must be callable"):
+        notebook_launcher("train", num_processes=2)
+
+
+def test_fork_is_refused_once_cuda_is_initialised(monkeypatch):
+    monkeypatch.setattr(supervisor_module, "cuda_initialized", lambda: True)
+    with pytest.raises(LaunchError, match="CUDA is already initialised.*forkserver"):
+        launch(print, start_method="fork")
+
+
+def test_a_busy_port_is_named():
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"master_port={port} .* is busy"):
+            launch(print, master_port=port)
+
+
+def test_unpicklable_arguments_and_variables_are_named():
+    lock = threading.Lock()
+    with pytest.raises(LaunchError, match=r"args\[1\] \(a _thread.lock\)"):
+        launch(print, ("fine", lock))
+    with pytest.raises(LaunchError, match=r"kwargs\['data'\]\['conn'\] \(a socket.socket\)"):
+        with socket.socket() as conn:
+            notebook_launcher(print, (), 2, kwargs={"data": {"conn": conn}}, display="none")
+    generator = (i for i in range(3))
+    with pytest.raises(LaunchError, match="variable 'generator' used by the function"):
+        launch(lambda: list(generator))
+    assert not rank_children()
+
+
+# --- no leaks, no orphans ------------------------------------------------------------------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.slow
+def test_fifty_launches_leak_no_processes_threads_or_descriptors():
+    launch(lambda: None)  # warm: forkserver and first-time imports
+    fds, threads = _open_fds(), threading.active_count()
+    for _ in range(50):
+        assert launch(lambda: nblaunch.rank()) == [0, 1]
+    assert wait_until(lambda: not rank_children(), timeout=5)
+    assert threading.active_count() == threads
+    assert _open_fds() == fds
+
+
+SCRIPT_WITHOUT_MAIN_GUARD = """
+import os, sys, time
+import nblaunch
+
+print("top level of the script ran", flush=True)
+
+def train():
+    import time
+    if nblaunch.rank() == 0:
+        print("PIDS", os.getpid(), os.getppid(), flush=True)
+    time.sleep(float(sys.argv[2]))
+    return nblaunch.rank()
+
+print("RESULT", nblaunch.notebook_launcher(
+    train, (), 2, start_method=sys.argv[1], device_type="cpu", display="text"), flush=True)
+"""
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_script_without_main_guard_is_not_rerun_in_the_ranks(tmp_path, start_method):
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT_WITHOUT_MAIN_GUARD)
+    done = subprocess.run(
+        [sys.executable, str(script), start_method, "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("top level of the script ran") == 1
+    assert "RESULT [0, 1]" in done.stdout
+
+
+def test_no_rank_or_forkserver_survives_the_launcher_being_killed(tmp_path):
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT_WITHOUT_MAIN_GUARD)
+    launcher = subprocess.Popen(
+        [sys.executable, str(script), "forkserver", "60"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while "PIDS" not in line and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+        assert "PIDS" in line, "the ranks never started"
+        rank_pid, forkserver_pid = (int(x) for x in line.split()[-2:])
+        family = [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
+        assert rank_pid in family and forkserver_pid in family
+        launcher.kill()
+        launcher.wait(10)
+
+        def all_gone():
+            return not any(psutil.pid_exists(pid) and _not_zombie(pid) for pid in family)
+
+        assert wait_until(all_gone, timeout=5), [p for p in family if psutil.pid_exists(p)]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        launcher.stdout.close()
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
