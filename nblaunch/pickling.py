@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import types
 from collections import ChainMap
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 
@@ -25,7 +25,7 @@ def _code_reduce_keeping_filename(code: types.CodeType) -> tuple[Any, tuple[Any,
 class Pickler(cloudpickle.Pickler):
     """A cloudpickle pickler whose code objects keep their ``co_filename``."""
 
-    dispatch_table = ChainMap(
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
         {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
     )
 

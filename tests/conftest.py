@@ -31,7 +31,7 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
 
 
 def helper_pids() -> set[int]:
-    """PIDs of multiprocessing's long-lived helpers in this process: forkserver, resource tracker."""
+    """PIDs of multiprocessing's long-lived helpers here: forkserver, resource tracker."""
     from multiprocessing import forkserver, resource_tracker
 
     pids = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
