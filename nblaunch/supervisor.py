@@ -28,10 +28,18 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nblaunch.errors import LaunchError
+from nblaunch.worker import RANK_FEATURES
 
 START_METHODS = ("forkserver", "spawn", "fork")
 # Modules the forkserver imports once, so that every rank it forks has them already.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "tblib", "nblaunch.worker"]
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "cloudpickle",
+    "tblib.pickling_support",
+    "nblaunch.worker",
+    *RANK_FEATURES,
+]
 
 
 @dataclass

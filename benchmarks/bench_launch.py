@@ -1,0 +1,204 @@
+"""Launch cost and root-cause accuracy: nblaunch against bare torch.multiprocessing and Accelerate.
+
+Run: ``.venv/bin/python benchmarks/bench_launch.py``. Every scenario runs in a fresh Python
+process, so "first launch" really is the first one (forkserver not yet started, torch imported).
+Prints one markdown table.
+
+Workloads
+- hello: 2 CPU ranks, init the gloo process group, one all_reduce, return.
+- raise: rank 1 raises ``ValueError("boom on rank 1")`` while rank 0 waits in an all_reduce;
+  we time from the call to the exception in the caller and check that the caller's error names
+  rank 1's ValueError ("boom"), over 20 runs.
+- big parent: the same hello world with the parent holding a 4 GB tensor, as a notebook kernel
+  often does: fork must copy the parent's page tables, a forkserver does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPEATS = 5
+RAISE_RUNS = 20
+BIG_PARENT_GB = 4
+
+SCENARIO_CODE = r"""
+import json, os, socket, sys, time
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def hello(*_):
+    import torch, torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+        own_group = True
+    else:
+        own_group = False
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if own_group:
+        dist.destroy_process_group()
+    return t.item()
+
+def bare_rank(index, start_method_port):
+    os.environ.update(RANK=str(index), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(start_method_port))
+    hello()
+
+def accelerate_hello():
+    import torch
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    accelerator.reduce(torch.ones(1))
+
+def raise_on_rank_1():
+    import torch, torch.distributed as dist
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    dist.all_reduce(torch.ones(1))
+
+def accelerate_raise():
+    import torch
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    if accelerator.process_index == 1:
+        raise ValueError("boom on rank 1")
+    accelerator.reduce(torch.ones(1))
+
+def quiet(fn):
+    # keep the launchers' own output out of the table
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(1), os.dup(2)
+    os.dup2(devnull, 1); os.dup2(devnull, 2)
+    try:
+        return fn()
+    finally:
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+
+if __name__ == "__main__":  # spawned children import this file again
+    scenario, repeats = sys.argv[1], int(sys.argv[2])
+    import torch  # a notebook has torch imported before it launches
+    times = []
+    if scenario.startswith("big-"):
+        ballast = torch.ones(int(float(os.environ["BIG_PARENT_GB"]) * 2**30 // 4))
+        scenario = scenario[4:]
+
+    if scenario.startswith("nblaunch-"):
+        from nblaunch import notebook_launcher
+        method = scenario.split("-", 1)[1]
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            notebook_launcher(hello, (), 2, start_method=method, device_type="cpu", display="none")
+            times.append(time.perf_counter() - t0)
+    elif scenario.startswith("bare-"):
+        import torch.multiprocessing as mp
+        method = scenario.split("-", 1)[1]
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mp.start_processes(bare_rank, args=(free_port(),), nprocs=2, start_method=method)
+            times.append(time.perf_counter() - t0)
+    elif scenario == "accelerate":
+        from accelerate import notebook_launcher as accelerate_launcher
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            quiet(lambda: accelerate_launcher(accelerate_hello, (), num_processes=2,
+                                              use_port=str(free_port())))
+            times.append(time.perf_counter() - t0)
+    elif scenario in ("raise-nblaunch", "raise-accelerate"):
+        right = 0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            try:
+                if scenario == "raise-nblaunch":
+                    from nblaunch import notebook_launcher
+                    notebook_launcher(raise_on_rank_1, (), 2, device_type="cpu", display="none")
+                else:
+                    from accelerate import notebook_launcher as accelerate_launcher
+                    quiet(lambda: accelerate_launcher(accelerate_raise, (), num_processes=2,
+                                                      use_port=str(free_port())))
+            except BaseException as exc:  # noqa: BLE001 - whatever the launcher raises
+                times.append(time.perf_counter() - t0)
+                right += isinstance(exc, ValueError) and "boom" in str(exc)
+        print(json.dumps({"times": times, "right": right}))
+        sys.exit(0)
+    print(json.dumps({"times": times}))
+"""
+
+
+def run_scenario(name: str, repeats: int, timeout: float = 600) -> dict:
+    env = {**os.environ, "BIG_PARENT_GB": str(BIG_PARENT_GB)}
+    script = Path(tempfile.gettempdir()) / "nblaunch_bench_launch_scenario.py"
+    script.write_text(SCENARIO_CODE)
+    done = subprocess.run(
+        [sys.executable, str(script), name, str(repeats)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:120]}
+    return json.loads(lines[-1])
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds:.3f}"
+
+
+def main() -> None:
+    rows: list[tuple[str, str, str, str]] = []
+
+    def hello_row(label: str, scenario: str) -> None:
+        result = run_scenario(scenario, REPEATS)
+        if "error" in result:
+            rows.append((label, "error", "error", result["error"]))
+            return
+        first, *warm = result["times"]
+        rows.append((label, fmt(first), fmt(statistics.median(warm)), f"{len(warm)} warm runs"))
+
+    hello_row("nblaunch forkserver (default)", "nblaunch-forkserver")
+    hello_row("nblaunch spawn", "nblaunch-spawn")
+    hello_row("nblaunch fork", "nblaunch-fork")
+    hello_row("bare torch.multiprocessing fork", "bare-fork")
+    hello_row("bare torch.multiprocessing spawn", "bare-spawn")
+    hello_row("Accelerate notebook_launcher", "accelerate")
+    hello_row(f"nblaunch forkserver, parent holds {BIG_PARENT_GB} GB", "big-nblaunch-forkserver")
+    hello_row(f"nblaunch fork, parent holds {BIG_PARENT_GB} GB", "big-nblaunch-fork")
+    hello_row(f"bare fork, parent holds {BIG_PARENT_GB} GB", "big-bare-fork")
+
+    print("## 2-rank hello world (init process group, one all_reduce), CPU/gloo\n")
+    print("| launcher | first launch (s) | warm launch, median (s) | note |")
+    print("|---|---:|---:|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+    print(f"\n## rank 1 raises ValueError('boom on rank 1'), {RAISE_RUNS} runs\n")
+    print("| launcher | median time to the exception (s) | root cause right |")
+    print("|---|---:|---:|")
+    for label, scenario in (
+        ("nblaunch", "raise-nblaunch"),
+        ("Accelerate notebook_launcher", "raise-accelerate"),
+    ):
+        result = run_scenario(scenario, RAISE_RUNS)
+        if "error" in result:
+            print(f"| {label} | error | {result['error']} |")
+            continue
+        median = statistics.median(result["times"]) if result["times"] else float("nan")
+        print(f"| {label} | {fmt(median)} | {result['right']}/{RAISE_RUNS} |")
+
+
+if __name__ == "__main__":
+    started = time.perf_counter()
+    main()
+    print(f"\n(total {time.perf_counter() - started:.0f} s)")
