@@ -1,19 +1,34 @@
-"""Views of a run: ``TextView`` for terminals and scripts (``LaunchView`` for notebooks).
+"""Views of a run: ``LaunchView`` for notebooks, ``TextView`` for terminals and scripts.
 
-A view is an :class:`~nblaunch.events.EventSink`: the relay hands it every event, it keeps what it
-needs and renders in ``flush`` (called many times a second) and ``close``. Views never infer the
-state of a rank; they show the ``StateChange`` and ``Diagnosis`` events the launcher sends.
+A view is an :class:`~nblaunch.events.EventSink`: the relay hands it every event on the thread
+that launched the run, it keeps what it needs and renders in ``flush`` (called many times a
+second) and ``close``. Views never infer the state of a rank; they show the ``StateChange`` and
+``Diagnosis`` events the launcher sends.
+
+``LaunchView`` is built from ipywidgets' core widgets (no JavaScript of its own). It stays calm
+under any amount of output: ``handle`` only appends to bounded per-rank buffers, and ``flush``
+renders what changed while keeping the number of messages to the browser under ``max_rate`` a
+second. When the run ends it displays a static summary (text and HTML), so a saved notebook
+shows what happened even without widget state.
 """
 
 from __future__ import annotations
 
+import collections
+import html
+import os
+import re
+import signal
 import sys
+import threading
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from nblaunch.events import Event, RunState
 
 DISPLAY_MODES = ("auto", "widget", "text", "none")
+# Lines a LaunchView keeps on screen per rank; NBLAUNCH_VIEW_LINES changes it.
+DEFAULT_VIEW_LINES = 200
 
 
 class TextView:
@@ -120,6 +135,683 @@ def _summary_text(ok: bool, elapsed_s: float, ranks: dict[int, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- the notebook view ---------------------------------------------------------------------------
+
+# Calm colours: a soft background and a dark foreground per state.
+STATE_COLORS: dict[RunState, tuple[str, str]] = {
+    RunState.STARTING: ("#f1f5f9", "#475569"),
+    RunState.RUNNING: ("#e0f2fe", "#075985"),
+    RunState.RETRYING: ("#fef3c7", "#92400e"),
+    RunState.STALLED: ("#ffedd5", "#9a3412"),
+    RunState.FAILED: ("#fee2e2", "#991b1b"),
+    RunState.DONE: ("#dcfce7", "#166534"),
+    RunState.STOPPED: ("#e5e7eb", "#374151"),
+}
+# Rank tags in the "All ranks" log, repeated past eight ranks.
+RANK_COLORS = (
+    "#2563eb",
+    "#c2410c",
+    "#15803d",
+    "#7c3aed",
+    "#0e7490",
+    "#be185d",
+    "#4d7c0f",
+    "#b45309",
+)
+SEVERITY_COLORS = {"error": ("#fef2f2", "#b91c1c"), "warning": ("#fffbeb", "#b45309")}
+SEVERITY_COLORS["info"] = ("#f0f9ff", "#0369a1")
+
+CSS = """<style>
+.nbl-root{font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:13px}
+.nbl-head{color:#334155;line-height:1.6}
+.nbl-head b{color:#0f172a}
+.nbl-dim{color:#64748b}
+.nbl-warn{color:#b45309}
+.nbl-ranks{display:flex;flex-direction:column;gap:3px;margin:2px 0}
+.nbl-rank{display:flex;align-items:center;gap:8px;min-width:0}
+.nbl-badge{display:inline-block;min-width:8.5em;padding:1px 8px;border-radius:9px;
+  font-size:12px;font-weight:600;white-space:nowrap}
+.nbl-last{font-family:var(--jp-code-font-family,monospace);font-size:12px;color:#334155;
+  overflow:hidden;text-overflow:ellipsis;white-space:nowrap;flex:1;min-width:0}
+.nbl-bar{display:inline-block;width:60px;height:6px;background:#fcd34d;border-radius:3px;
+  overflow:hidden;vertical-align:middle}
+.nbl-bar span{display:block;height:100%;background:#38bdf8}
+.nbl-meter{font-size:11px;color:#64748b;white-space:nowrap}
+.nbl-log{max-height:24em;overflow-y:auto;display:flex;flex-direction:column-reverse;
+  border:1px solid #e2e8f0;border-radius:4px;background:#fcfcfd}
+.nbl-log pre{flex:none;overflow:visible;margin:0;padding:6px 8px;font-size:12px;
+  line-height:1.4;white-space:pre-wrap;overflow-wrap:anywhere;font-family:var(--jp-code-font-family,monospace);color:#1e293b}
+.nbl-err{color:#9a3412}
+.nbl-tag{font-weight:600}
+.nbl-diag{border-left:4px solid;border-radius:3px;padding:6px 10px;margin:4px 0}
+.nbl-diag pre{margin:4px 0 0;font-size:12px;white-space:pre-wrap;overflow-wrap:anywhere;
+  max-height:20em;overflow-y:auto;font-family:var(--jp-code-font-family,monospace)}
+.nbl-title{font-weight:600}
+.nbl-diag details{margin-top:4px;color:#475569}
+.nbl-progress{padding:4px 10px;border-left:4px solid #f59e0b;background:#fffbeb;margin:4px 0}
+</style>"""
+
+
+# A visible line is a small list, [rank, fd, text]: cheaper to make than an object, and mutable,
+# so a "\r" progress line is redrawn in place in every buffer that holds it.
+_RANK, _FD, _TEXT = 0, 1, 2
+_Line = list
+
+
+class LaunchView:
+    """The live view of a run in a notebook cell, built from ipywidgets.
+
+    A header (ranks, device, start method, debug, run directory, elapsed time) with a Stop
+    button; one status badge per rank with its last line and, once heartbeats arrive, the share
+    of time it spends computing versus waiting in collectives; an error panel for diagnoses; a
+    progress area for multi-attempt operations (out-of-memory retries); and the logs, in an
+    "All ranks" tab and one tab per rank.
+
+    Parameters
+    ----------
+    max_lines
+        Lines kept on screen per rank and in the "All ranks" tab (default 200, or
+        ``NBLAUNCH_VIEW_LINES``); every line is in the run directory's ``rank<N>.log`` anyway.
+    max_rate
+        Most messages sent to the browser per second, whatever the ranks print.
+    max_line_chars
+        Longer lines are shown cut, with a note (the log file has them whole).
+
+    Notes
+    -----
+    ``handle``, ``flush`` and ``close`` run on the thread that launched the run (the kernel's
+    main thread), so every update belongs to the cell that launched it. The Stop button has to
+    work while that thread is busy running the launcher: its clicks are noticed on ipykernel's
+    shell-channel thread (ipykernel 7+, which routes each comm message there first) and turned
+    into the kernel's own interrupt, SIGINT to this process, which the launcher answers by
+    stopping every rank.
+    """
+
+    def __init__(
+        self, *, max_lines: int | None = None, max_rate: float = 20.0, max_line_chars: int = 1000
+    ) -> None:
+        if max_lines is None:
+            max_lines = _env_lines()
+        if max_lines < 1 or max_rate <= 0 or max_line_chars < 1:
+            raise ValueError("max_lines, max_rate and max_line_chars must be positive")
+        self.max_lines = max_lines
+        self.max_rate = max_rate
+        self.max_line_chars = max_line_chars
+        # What the view has taken in (read by tests and benchmarks).
+        self.lines_received = 0  # finished lines (Stream events not ended by "\r")
+        self.renders = 0
+        self.messages_sent = 0  # widget updates sent to the browser
+        self.summary_shown = False
+        self.stop_hooked = False  # the Stop button works while the run is busy
+        self.info: dict[str, Any] | None = None
+        self.ended: dict[str, Any] | None = None
+        self.states: dict[int, RunState] = {}
+        self.details: dict[int, str] = {}
+        self.devices: dict[int, str] = {}
+        self.diagnoses: list[dict[str, Any]] = []
+        self.progress: dict[tuple[int, str], str] = {}
+        self.heartbeats: dict[int, tuple[float, float, str | None]] = {}
+        self._all: collections.deque[_Line] = collections.deque(maxlen=max_lines)
+        self._per_rank: dict[int, collections.deque[_Line]] = {}
+        self._counts: dict[int, int] = collections.Counter()
+        self._open: dict[tuple[int, int], _Line] = {}  # (rank, fd) -> its unfinished "\r" line
+        self._dirty: set[Any] = set()
+        self._rendered: set[Any] = set()
+        self._next_render = 0.0
+        self._last_header = 0.0
+        self._started_clock = time.monotonic()
+        self._widgets: dict[str, Any] = {}
+        self._logs: list[Any] = []
+        self._shown: dict[int, str] = {}  # id(widget) -> value last sent
+        self._running = False
+        self._stop_lock = threading.Lock()
+        self.stop_requested = False
+
+    # --- EventSink -------------------------------------------------------------------------------
+
+    def handle(self, event: Event) -> None:
+        """Take one event; cheap for output lines (appends to bounded buffers)."""
+        kind = event["kind"]
+        if kind == "stream":
+            # Every line a rank prints comes here: a few appends, no calls; render in flush.
+            rank = event["rank"]
+            if event["carriage"] or self._open:
+                self._on_progress_line(rank, event["fd"], event["text"], event["carriage"])
+                return
+            self.lines_received += 1
+            line = [rank, event["fd"], event["text"]]
+            self._all.append(line)
+            lines = self._per_rank.get(rank)
+            if lines is None:
+                lines = self._per_rank[rank] = collections.deque(maxlen=self.max_lines)
+            lines.append(line)
+            self._counts[rank] += 1
+            self._dirty.add(rank)
+        elif kind == "log":
+            text = f"{event['level']} {event['name']}: {event['message']}"
+            fd = 2 if event["level"] in ("WARNING", "ERROR", "CRITICAL") else 1
+            self._on_stream(event["rank"], fd, text)
+        elif kind == "state":
+            self.states[event["rank"]] = RunState(event["state"])
+            self.details[event["rank"]] = event["detail"]
+            self._dirty.add("ranks")
+        elif kind == "started":
+            self.devices[event["rank"]] = event["device"]
+            self._dirty.add("ranks")
+        elif kind == "heartbeat":
+            busy = max(event["busy_s"], 1e-9)
+            self.heartbeats[event["rank"]] = (event["wait_s"], busy, event["collective"])
+            self._dirty.add("ranks")
+        elif kind == "progress":
+            self.progress[(event["rank"], event["what"])] = event["text"]
+            self._dirty.add("progress")
+        elif kind == "diagnosis":
+            self._on_diagnosis(dict(event))
+        elif kind == "run_info":
+            self.info = dict(event)
+            self._started_clock = time.monotonic() - max(0.0, time.time() - event["started_at"])
+            self._running = True
+            self._build()
+        elif kind == "run_ended":
+            self.ended = dict(event)
+            self._dirty.add("head")
+
+    def flush(self, force: bool = False) -> None:
+        """Render what changed, keeping under ``max_rate`` browser messages a second."""
+        now = time.monotonic()
+        if self._running and now - self._last_header >= 1.0:
+            self._dirty.add("head")  # the elapsed time
+        if not self._dirty or not self._widgets or (not force and now < self._next_render):
+            return
+        sent = self._render()
+        self._last_header = now if "head" in self._rendered else self._last_header
+        # A render that sent k messages buys the next one k / max_rate seconds later.
+        self._next_render = now + sent / self.max_rate
+
+    def close(self) -> None:
+        """The run is over: final render, retire the Stop button, show the static summary."""
+        with self._stop_lock:
+            self._running = False
+        if not self._widgets:
+            return
+        self._dirty.update(("head", "ranks", "panel", "progress", "logs"))
+        self._dirty.update(self._per_rank)
+        self.flush(force=True)
+        stop = self._widgets["stop"]
+        stop.disabled = True
+        stop.layout.display = "none"
+        if self.ended is not None and not self.summary_shown:
+            self.summary_shown = True
+            _display(self.summary_bundle(), raw=True)
+
+    # --- the Stop button -------------------------------------------------------------------------
+
+    def request_stop(self) -> bool:
+        """Interrupt the run like the kernel's interrupt button: SIGINT to this process.
+
+        Safe from any thread; does nothing once the run is over or a stop was requested.
+        Returns True when the interrupt was sent.
+        """
+        with self._stop_lock:
+            if not self._running or self.stop_requested:
+                return False
+            self.stop_requested = True
+        os.kill(os.getpid(), signal.SIGINT)
+        return True
+
+    def _hook_stop(self, button: Any) -> bool:
+        """Notice clicks on ipykernel's shell-channel thread, before they queue behind the run.
+
+        ipykernel 7 asks each comm, on that thread, where to route a frontend message
+        (``_reply_subshell_for``); wrapping that question lets a click be seen while the main
+        thread is busy in the launcher. The message still goes on to its usual handler.
+        """
+        comm = getattr(button, "comm", None)
+        route = getattr(comm, "_reply_subshell_for", None)
+        if route is None:
+            return False
+
+        def route_and_watch(data: Any, default: Any) -> Any:
+            content = data.get("content") if isinstance(data, dict) else None
+            if isinstance(content, dict) and content.get("event") == "click":
+                self.request_stop()
+            return route(data, default)
+
+        comm._reply_subshell_for = route_and_watch
+        return True
+
+    # --- events into state -----------------------------------------------------------------------
+
+    def _on_stream(self, rank: int, fd: int, text: str) -> None:
+        """A line that did not come as a Stream event (a Log record)."""
+        if self._open:
+            self._on_progress_line(rank, fd, text, False)
+        else:
+            self.lines_received += 1
+            self._append([rank, fd, text])
+
+    def _on_progress_line(self, rank: int, fd: int, text: str, carriage: bool) -> None:
+        """A ``\\r``-ended line (a progress bar) is redrawn in place until a line ends."""
+        key = (rank, fd)
+        line = self._open.get(key)
+        if line is None:
+            if carriage and not text:
+                return  # the "\\r" a progress bar starts with
+            line = [rank, fd, text]
+            self._append(line)
+            if carriage:
+                self._open[key] = line
+        else:
+            line[_TEXT] = text
+            self._dirty.add(rank)
+            if not carriage:
+                del self._open[key]
+        if not carriage:
+            self.lines_received += 1
+
+    def _append(self, line: _Line) -> None:
+        rank = line[_RANK]
+        self._all.append(line)
+        lines = self._per_rank.get(rank)
+        if lines is None:
+            lines = self._per_rank[rank] = collections.deque(maxlen=self.max_lines)
+        lines.append(line)
+        self._counts[rank] += 1
+        self._dirty.add(rank)
+
+    def _on_diagnosis(self, event: dict[str, Any]) -> None:
+        for known in self.diagnoses:
+            if known["title"] == event["title"] and known["severity"] == event["severity"]:
+                if known["body"] == event["body"] and known["secondary"] == event["secondary"]:
+                    return  # the same finding again: show it once
+                known.update(event)  # an updated finding (a straggler report, a hang)
+                self._dirty.add("panel")
+                return
+        self.diagnoses.append(event)
+        self._dirty.add("panel")
+
+    # --- widgets ---------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        """Create the widgets once the run's size is known, and show them in this cell."""
+        import ipywidgets as widgets
+
+        if self._widgets:
+            return
+        assert self.info is not None
+        world = self.info["world_size"]
+        head = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
+        stop = widgets.Button(
+            description="Stop",
+            icon="stop",
+            tooltip="Interrupt every rank, like the notebook's interrupt button",
+            layout=widgets.Layout(width="auto", flex="0 0 auto"),
+        )
+        stop.on_click(lambda _button: self.request_stop())
+        self.stop_hooked = self._hook_stop(stop)
+        if not self.stop_hooked:
+            stop.tooltip = "Takes effect only between cells here: use the notebook's interrupt"
+        ranks = widgets.HTML()
+        panel = widgets.HTML(layout=widgets.Layout(display="none"))
+        progress = widgets.HTML(layout=widgets.Layout(display="none"))
+        self._logs = [widgets.HTML() for _ in range(world + 1)]
+        tabs = widgets.Tab(
+            children=self._logs, titles=["All ranks", *(f"rank {r}" for r in range(world))]
+        )
+        root = widgets.VBox(
+            [
+                widgets.HTML(CSS),
+                widgets.HBox([head, stop], layout=widgets.Layout(align_items="flex-start")),
+                ranks,
+                panel,
+                progress,
+                tabs,
+            ]
+        )
+        root.add_class("nbl-root")
+        self._widgets = {
+            "root": root,
+            "head": head,
+            "stop": stop,
+            "ranks": ranks,
+            "panel": panel,
+            "progress": progress,
+            "tabs": tabs,
+        }
+        for rank in range(world):
+            self.states.setdefault(rank, RunState.STARTING)
+        self._dirty.update(("head", "ranks", "logs"))
+        _display(root)
+        self.flush(force=True)
+
+    def _render(self) -> int:
+        """Push what changed to the widgets; return how many messages that sent."""
+        dirty, self._dirty = self._dirty, set()
+        if any(isinstance(part, int) for part in dirty):  # new lines: the log and last lines
+            dirty.update(("logs", "ranks"))
+        self._rendered = dirty
+        self.renders += 1
+        sent = 0
+        w = self._widgets
+        if "head" in dirty:
+            sent += self._set(w["head"], self._head_html())
+        if "ranks" in dirty:
+            sent += self._set(w["ranks"], self._ranks_html())
+        if "panel" in dirty:
+            sent += self._show(w["panel"], self._panel_html())
+        if "progress" in dirty:
+            sent += self._show(w["progress"], self._progress_html())
+        if "logs" in dirty:
+            sent += self._set(self._logs[0], self._log_html(self._all, None, tagged=True))
+        for rank, log in enumerate(self._logs[1:]):
+            if rank in dirty:
+                lines = self._per_rank.get(rank, ())
+                sent += self._set(log, self._log_html(lines, rank, tagged=False))
+        self.messages_sent += sent
+        return sent
+
+    def _set(self, widget: Any, value: str) -> int:
+        if self._shown.get(id(widget)) == value:
+            return 0
+        self._shown[id(widget)] = value
+        widget.value = value
+        return 1
+
+    def _show(self, widget: Any, value: str) -> int:
+        sent = self._set(widget, value)
+        display = "" if value else "none"
+        if widget.layout.display != display:
+            widget.layout.display = display
+            sent += 1
+        return sent
+
+    # --- HTML --------------------------------------------------------------------------------
+
+    def _head_html(self) -> str:
+        info = self.info or {}
+        world = info.get("world_size", 0)
+        parts = [
+            f"<b>{world} rank{'s' if world != 1 else ''}</b>",
+            _esc(info.get("device_kind", "")),
+            _esc(info.get("start_method", "")),
+            f"debug {'on' if info.get('debug') else 'off'}",
+        ]
+        if self.ended is not None:
+            parts.append(f"<b>{self._outcome_word()}</b> in {self.ended['elapsed_s']:.1f} s")
+        else:
+            parts.append(f"{time.monotonic() - self._started_clock:.0f} s")
+        out = "<div class='nbl-head'>nblaunch · " + " · ".join(parts)
+        if info.get("run_dir"):
+            out += f"<br><span class='nbl-dim'>logs: {_esc(info['run_dir'])}</span>"
+        for warning in info.get("warnings", ()):
+            out += f"<br><span class='nbl-warn'>⚠ {_esc(warning)}</span>"
+        return out + "</div>"
+
+    def _ranks_html(self) -> str:
+        rows = []
+        for rank in sorted(self.states):
+            state = self.states[rank]
+            bg, fg = STATE_COLORS[state]
+            detail = self.details.get(rank, "")
+            if state in (RunState.FAILED, RunState.STALLED, RunState.RETRYING, RunState.STOPPED):
+                last = detail or self._last_line(rank)
+            else:
+                last = self._last_line(rank) or detail
+            device = self.devices.get(rank, "")
+            row = (
+                f"<div class='nbl-rank'><span class='nbl-badge' style='background:{bg};"
+                f"color:{fg}'>rank {rank} · {state.value}</span>"
+            )
+            if device:
+                row += f"<span class='nbl-dim'>{_esc(device)}</span>"
+            preview = _ansi_strip(last[:500])
+            row += f"<span class='nbl-last' title='{preview}'>{preview}</span>"
+            beat = self.heartbeats.get(rank)
+            if beat is not None:
+                wait, busy, collective = beat
+                share = min(1.0, max(0.0, (busy - wait) / busy))
+                inside = f" · in {_esc(collective)}" if collective else ""
+                row += (
+                    f"<span class='nbl-meter'><span class='nbl-bar'><span style='width:"
+                    f"{share * 100:.0f}%'></span></span> compute {share:.0%} · wait "
+                    f"{1 - share:.0%}{inside}</span>"
+                )
+            rows.append(row + "</div>")
+        return "<div class='nbl-ranks'>" + "".join(rows) + "</div>"
+
+    def _panel_html(self) -> str:
+        errors = [d for d in self.diagnoses if d["severity"] == "error"]
+        others = [d for d in self.diagnoses if d["severity"] != "error"]
+        blocks = []
+        if errors:
+            root, *later = errors
+            secondary = list(root["secondary"]) + [d["title"] for d in later]
+            blocks.append(_diagnosis_html(root, secondary))
+        blocks += [_diagnosis_html(d, d["secondary"]) for d in others]
+        return "".join(blocks)
+
+    def _progress_html(self) -> str:
+        if not self.progress:
+            return ""
+        rows = [
+            f"<div><b>rank {rank}</b> · {_esc(what)}: {_esc(text)}</div>"
+            for (rank, what), text in sorted(self.progress.items())
+        ]
+        return "<div class='nbl-progress'>" + "".join(rows) + "</div>"
+
+    def _log_html(self, lines: Any, rank: int | None, *, tagged: bool) -> str:
+        limit = self.max_line_chars
+        parts = []
+        if rank is not None and self._counts[rank] > len(lines):
+            earlier = self._counts[rank] - len(lines)
+            where = self._log_path(rank)
+            parts.append(
+                f"<span class='nbl-dim'>… {earlier} earlier line{'s' if earlier != 1 else ''}"
+                f"{' in ' + _esc(where) if where else ''}</span>\n"
+            )
+        for line in lines:
+            text = line[_TEXT]
+            if len(text) > limit:
+                text = text[:limit]
+                cut = (
+                    f"<span class='nbl-dim'> … ({len(line[_TEXT]) - limit} more characters)</span>"
+                )
+            else:
+                cut = ""
+            body = _ansi_to_html(text)
+            if line[_FD] == 2:
+                body = f"<span class='nbl-err'>{body}</span>"
+            if tagged:
+                rank_tag = line[_RANK]
+                color = RANK_COLORS[rank_tag % len(RANK_COLORS)]
+                body = f"<span class='nbl-tag' style='color:{color}'>[{rank_tag}]</span> {body}"
+            parts.append(body + cut + "\n")
+        return f"<div class='nbl-log'><pre>{''.join(parts)}</pre></div>"
+
+    def _last_line(self, rank: int) -> str:
+        """The rank's latest line with something on it."""
+        for line in reversed(self._per_rank.get(rank, ())):
+            if line[_TEXT].strip():
+                return line[_TEXT]
+        return ""
+
+    def _log_path(self, rank: int) -> str:
+        run_dir = (self.info or {}).get("run_dir")
+        return os.path.join(run_dir, f"rank{rank}.log") if run_dir else ""
+
+    # --- the static summary ----------------------------------------------------------------------
+
+    def summary_bundle(self) -> dict[str, str]:
+        """The end-of-run summary as ``text/plain`` and ``text/html``, for saved notebooks."""
+        ended = self.ended or {"ok": False, "elapsed_s": 0.0, "ranks": {}}
+        ranks = sorted(set(self.states) | set(ended["ranks"]))
+        plain = [f"  rank {r}: {self._state(r).value} · {ended['ranks'].get(r, '')}" for r in ranks]
+        header = f"nblaunch: {self._outcome_word()} in {ended['elapsed_s']:.2f} s"
+        run_dir = (self.info or {}).get("run_dir", "")
+        text = "\n".join([header, *plain] + ([f"  logs: {run_dir}"] if run_dir else []))
+        cell = "padding:2px 10px;text-align:left;border-bottom:1px solid #e5e7eb;white-space:nowrap"
+        rows = []
+        for r in ranks:
+            bg, fg = STATE_COLORS[self._state(r)]
+            rows.append(
+                f"<tr><td style='{cell}'>rank {r}</td><td style='{cell}'><span style='"
+                f"background:{bg};color:{fg};padding:1px 8px;border-radius:9px;font-weight:600'>"
+                f"{self._state(r).value}</span></td><td style='{cell};white-space:normal'>"
+                f"{_esc(ended['ranks'].get(r, ''))}</td>"
+                + (f"<td style='{cell}'><code>rank{r}.log</code></td>" if run_dir else "")
+                + "</tr>"
+            )
+        title = _esc(header.removeprefix("nblaunch: "))
+        where = f"<div style='color:#64748b'>logs in <code>{_esc(run_dir)}</code></div>"
+        html_out = (
+            f"<div><b>nblaunch</b> {title}<table style='border-collapse:collapse;"
+            f"margin:4px 0'>{''.join(rows)}</table>{where if run_dir else ''}</div>"
+        )
+        return {"text/plain": text, "text/html": html_out}
+
+    def _outcome_word(self) -> str:
+        """finished, failed, or stopped (interrupted with no rank failing)."""
+        if self.ended is not None and self.ended["ok"]:
+            return "finished"
+        states = set(self.states.values())
+        if RunState.STOPPED in states and RunState.FAILED not in states:
+            return "stopped"
+        return "failed"
+
+    def _state(self, rank: int) -> RunState:
+        return self.states.get(rank, RunState.STOPPED)
+
+
+def _env_lines() -> int:
+    """``NBLAUNCH_VIEW_LINES``, the lines a view keeps per rank (200 when unset or invalid)."""
+    try:
+        return max(1, int(os.environ.get("NBLAUNCH_VIEW_LINES", "")))
+    except ValueError:
+        return DEFAULT_VIEW_LINES
+
+
+def _diagnosis_html(diagnosis: dict[str, Any], secondary: list[str]) -> str:
+    bg, fg = SEVERITY_COLORS.get(diagnosis["severity"], SEVERITY_COLORS["info"])
+    icon = {"error": "⛔", "warning": "⚠"}.get(diagnosis["severity"], "ℹ")
+    out = (
+        f"<div class='nbl-diag' style='background:{bg};border-color:{fg}'>"
+        f"<div class='nbl-title' style='color:{fg}'>{icon} {_esc(diagnosis['title'])}</div>"
+    )
+    if diagnosis["body"] and diagnosis["body"] != diagnosis["title"]:
+        out += f"<pre>{_ansi_to_html(diagnosis['body'])}</pre>"
+    if secondary:
+        items = "".join(f"<li>{_esc(line)}</li>" for line in secondary)
+        count = len(secondary)
+        out += (
+            f"<details><summary>{count} other failure{'s' if count != 1 else ''}"
+            f" (consequences)</summary><ul>{items}</ul></details>"
+        )
+    return out + "</div>"
+
+
+def _esc(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+# Any escape sequence: CSI (ESC [ ... final byte), OSC (ESC ] ... BEL/ST) or a two-byte ESC x.
+_ANSI = re.compile(r"\x1b(?:\[([0-9;?]*)([@-~])|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_BASIC = ("#000000", "#cd3131", "#0d7a3e", "#949800", "#0451a5", "#bc05bc", "#0598bc", "#555555")
+_BRIGHT = ("#666666", "#e53e3e", "#16a34a", "#b59f00", "#2563eb", "#d946ef", "#0891b2", "#a5a5a5")
+
+
+def _ansi_strip(text: str) -> str:
+    """HTML-escaped text without escape sequences (for one-line previews)."""
+    return _esc(_ANSI.sub("", text)) if "\x1b" in text else _esc(text)
+
+
+def _ansi_to_html(text: str) -> str:
+    """HTML-escape ``text``, turning SGR colour codes into spans and dropping other escapes."""
+    if "\x1b" not in text:
+        return _esc(text)
+    out: list[str] = []
+    style: dict[str, str] = {}
+    pos = 0
+    opened = False
+    for match in _ANSI.finditer(text):
+        if match.start() > pos:
+            out.append(_esc(text[pos : match.start()]))
+        pos = match.end()
+        if match.group(2) != "m":
+            continue  # cursor movement, erase line, titles: not meaningful in a log
+        style = _apply_sgr(style, match.group(1) or "0")
+        if opened:
+            out.append("</span>")
+            opened = False
+        if style:
+            css = ";".join(f"{k}:{v}" for k, v in sorted(style.items()))
+            out.append(f"<span style='{css}'>")
+            opened = True
+    out.append(_esc(text[pos:]))
+    if opened:
+        out.append("</span>")
+    return "".join(out)
+
+
+def _apply_sgr(style: dict[str, str], params: str) -> dict[str, str]:
+    style = dict(style)
+    codes = [int(c) if c.isdigit() else 0 for c in params.split(";")]
+    i = 0
+    while i < len(codes):
+        code = codes[i]
+        if code == 0:
+            style.clear()
+        elif code == 1:
+            style["font-weight"] = "bold"
+        elif code == 3:
+            style["font-style"] = "italic"
+        elif code == 4:
+            style["text-decoration"] = "underline"
+        elif code == 22:
+            style.pop("font-weight", None)
+        elif 30 <= code <= 37:
+            style["color"] = _BASIC[code - 30]
+        elif 90 <= code <= 97:
+            style["color"] = _BRIGHT[code - 90]
+        elif 40 <= code <= 47:
+            style["background"] = _BASIC[code - 40]
+        elif 100 <= code <= 107:
+            style["background"] = _BRIGHT[code - 100]
+        elif code == 39:
+            style.pop("color", None)
+        elif code == 49:
+            style.pop("background", None)
+        elif code in (38, 48) and i + 1 < len(codes):
+            key = "color" if code == 38 else "background"
+            if codes[i + 1] == 5 and i + 2 < len(codes):
+                style[key] = _xterm_256(codes[i + 2])
+                i += 2
+            elif codes[i + 1] == 2 and i + 4 < len(codes):
+                r, g, b = (min(255, c) for c in codes[i + 2 : i + 5])
+                style[key] = f"#{r:02x}{g:02x}{b:02x}"
+                i += 4
+        i += 1
+    return style
+
+
+def _xterm_256(n: int) -> str:
+    if n < 8:
+        return _BASIC[n]
+    if n < 16:
+        return _BRIGHT[n - 8]
+    if n < 232:
+        n -= 16
+        levels = (0, 95, 135, 175, 215, 255)
+        return f"#{levels[n // 36]:02x}{levels[(n // 6) % 6]:02x}{levels[n % 6]:02x}"
+    grey = 8 + 10 * (min(n, 255) - 232)
+    return f"#{grey:02x}{grey:02x}{grey:02x}"
+
+
+def _display(obj: Any, **kwargs: Any) -> None:
+    from IPython.display import display
+
+    display(obj, **kwargs)
+
+
 def in_notebook_kernel() -> bool:
     """True inside a Jupyter kernel (where widgets can render), False in terminals and scripts."""
     ipython = sys.modules.get("IPython")
@@ -129,14 +821,30 @@ def in_notebook_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+def widgets_available() -> bool:
+    """True when ipywidgets can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("ipywidgets") is not None
+
+
 def make_view(display: str):
-    """The view for ``display``: "auto", "widget", "text" or "none"."""
+    """The view for ``display``: "auto", "widget", "text" or "none".
+
+    ``"auto"`` is the widget inside a Jupyter kernel with ipywidgets installed, the text view
+    elsewhere (terminals, scripts, IPython without a kernel).
+
+    Raises
+    ------
+    LaunchError
+        For any other value.
+    """
     if display not in DISPLAY_MODES:
         from nblaunch.errors import LaunchError
 
         raise LaunchError(f"display={display!r} is not one of {', '.join(DISPLAY_MODES)}")
     if display == "none":
         return NullView()
-    if display == "text" or (display == "auto" and not in_notebook_kernel()):
-        return TextView()
-    return TextView()  # LaunchView arrives with the live-view issue
+    if display == "widget" or (display == "auto" and in_notebook_kernel() and widgets_available()):
+        return LaunchView()
+    return TextView()

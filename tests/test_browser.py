@@ -1,0 +1,143 @@
+"""What a person sees: JupyterLab in a real Chromium runs the quick-start notebook.
+
+Run alone with ``pytest -m browser`` (``make test-browser``). Needs Debian's chromium at
+``/usr/bin/chromium`` (``apt-get install chromium``); the test is skipped without it. It saves
+``docs/launch-view.png``, the screenshot the README shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+SCREENSHOT = ROOT / "docs" / "launch-view.png"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium"
+    ),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _quiet_settings(settings: Path) -> None:
+    """No news or update pop-ups over the notebook."""
+    path = settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    """JupyterLab serving a scratch copy of the notebooks on 127.0.0.1; yields its base URL."""
+    import importlib.util
+
+    work = tmp_path / "work"
+    work.mkdir()
+    notebook = work / "quickstart.ipynb"
+    shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", notebook)
+    if importlib.util.find_spec("nblaunch.magics") is None:  # arrives with its own issue
+        notebook.write_text(notebook.read_text().replace("%load_ext nblaunch\\n", ""))
+    _quiet_settings(tmp_path / "settings")
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
+    env.pop("NBLAUNCH_RUN_DIR", None)  # the default, .nblaunch/runs next to the notebook
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",  # CI runs as root in a throw-away container
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={work}",
+            f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+            f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+            "--LabApp.expose_app_in_browser=True",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "jupyterlab.log", "wb"),  # noqa: SIM115
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(
+                        "JupyterLab did not start:\n" + (tmp_path / "jupyterlab.log").read_text()
+                    ) from None
+                time.sleep(0.5)
+        yield f"{base}/lab/tree/quickstart.ipynb?token={token}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(5)
+
+
+def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab):
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 1600})
+            page.goto(jupyterlab, timeout=90_000)
+            # The notebook is open and its kernel is idle.
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+            page.wait_for_function(
+                "() => { const p = window.jupyterapp?.shell?.currentWidget;"
+                " return p?.sessionContext?.session?.kernel?.status === 'idle'; }",
+                timeout=90_000,
+            )
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            view = page.locator(".nbl-root")
+            expect(view).to_be_visible(timeout=120_000)
+            ranks = view.locator(".nbl-ranks")
+            expect(ranks).to_contain_text("rank 0 · DONE", timeout=120_000)
+            expect(ranks).to_contain_text("rank 1 · DONE", timeout=30_000)
+            # The "All ranks" tab is the one showing; it holds rank 1's lines.
+            shown_log = view.locator(".nbl-log:visible")
+            expect(shown_log).to_have_count(1)
+            expect(shown_log).to_contain_text("[1] rank 1 step 7: all_reduce -> 15")
+            summary = page.locator(".jp-OutputArea-output", has_text="finished in")
+            expect(summary.last).to_contain_text("rank 1")
+            page.wait_for_timeout(500)  # let the last repaint settle before the picture
+            outputs = page.locator(".jp-Cell", has=view).locator(".jp-Cell-outputWrapper")
+            outputs.scroll_into_view_if_needed()
+            SCREENSHOT.parent.mkdir(exist_ok=True)
+            outputs.screenshot(path=str(SCREENSHOT))
+        finally:
+            browser.close()
+    assert SCREENSHOT.stat().st_size > 10_000

@@ -1,0 +1,402 @@
+"""LaunchView and make_view, driven with scripted events (no processes, no kernel)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import ipywidgets
+import pytest
+
+from nblaunch import widgets
+from nblaunch.errors import LaunchError
+from nblaunch.events import RunState
+from nblaunch.widgets import LaunchView, NullView, TextView, make_view
+
+
+def run_info(world_size: int = 2, run_dir: str = "/tmp/runs/r1") -> dict:
+    return {
+        "kind": "run_info",
+        "world_size": world_size,
+        "device_kind": "CPU",
+        "start_method": "forkserver",
+        "debug": True,
+        "run_dir": run_dir,
+        "warnings": ["4 CPU ranks on 2 cores: ranks will share cores"],
+        "started_at": time.time(),
+    }
+
+
+def line(rank: int, text: str, *, fd: int = 1, carriage: bool = False) -> dict:
+    return {"kind": "stream", "rank": rank, "fd": fd, "text": text, "carriage": carriage}
+
+
+def state(rank: int, value: RunState, detail: str = "") -> dict:
+    return {"kind": "state", "rank": rank, "state": value, "detail": detail}
+
+
+@pytest.fixture
+def displayed(monkeypatch) -> list:
+    """What the view displays (widget, summary), instead of printing reprs to the terminal."""
+    shown: list = []
+    monkeypatch.setattr(widgets, "_display", lambda obj, **kw: shown.append(obj))
+    return shown
+
+
+@pytest.fixture
+def view(displayed) -> LaunchView:
+    v = LaunchView(max_lines=5)
+    v.handle(run_info())
+    return v
+
+
+def html(v: LaunchView, part: str) -> str:
+    return v._widgets[part].value
+
+
+def log_html(v: LaunchView, tab: int) -> str:
+    return v._widgets["tabs"].children[tab].value
+
+
+# --- choosing a view -----------------------------------------------------------------------------
+
+
+def test_make_view_modes(monkeypatch):
+    assert isinstance(make_view("none"), NullView)
+    assert isinstance(make_view("text"), TextView)
+    assert isinstance(make_view("widget"), LaunchView)
+    monkeypatch.setattr(widgets, "in_notebook_kernel", lambda: False)
+    assert isinstance(make_view("auto"), TextView)
+    monkeypatch.setattr(widgets, "in_notebook_kernel", lambda: True)
+    assert isinstance(make_view("auto"), LaunchView)
+    monkeypatch.setattr(widgets, "widgets_available", lambda: False)
+    assert isinstance(make_view("auto"), TextView)
+    with pytest.raises(LaunchError, match="display='html' is not one of"):
+        make_view("html")
+
+
+def test_not_in_a_kernel_here():
+    assert widgets.in_notebook_kernel() is False
+
+
+# --- the view ------------------------------------------------------------------------------------
+
+
+def test_displays_once_in_the_launching_cell_with_header_and_tabs(view, displayed):
+    assert displayed == [view._widgets["root"]]
+    head = html(view, "head")
+    for part in ("2 ranks", "CPU", "forkserver", "debug on", "/tmp/runs/r1", "share cores"):
+        assert part in head
+    assert view._widgets["tabs"].titles == ("All ranks", "rank 0", "rank 1")
+
+
+def test_lines_reach_the_all_ranks_tab_tagged_and_their_rank_tab(view):
+    view.handle(line(0, "hello from zero"))
+    view.handle(line(1, "hello from one", fd=2))
+    view.flush(force=True)
+    everything = log_html(view, 0)
+    assert everything.index("[0]</span> hello from zero") < everything.index("hello from one")
+    assert "[1]</span> <span class='nbl-err'>hello from one" in everything
+    assert "hello from one" in log_html(view, 2) and "hello from one" not in log_html(view, 1)
+    assert "hello from one" in html(view, "ranks")  # the badge shows the rank's last line
+
+
+def test_lines_are_bounded_per_rank_and_point_to_the_log_file(view):
+    for i in range(12):
+        view.handle(line(0, f"line {i}"))
+    view.flush(force=True)
+    rank0 = log_html(view, 1)
+    assert "line 11" in rank0 and "line 6" not in rank0 and "line 7" in rank0
+    assert "7 earlier lines in /tmp/runs/r1/rank0.log" in rank0
+    assert len(view._all) == 5 and len(view._per_rank[0]) == 5
+    assert view.lines_received == 12
+
+
+def test_carriage_return_updates_one_line_in_place(view):
+    view.handle(line(0, "before"))
+    view.handle(line(0, "", carriage=True))
+    for pct in (10, 50, 90):
+        view.handle(line(0, f"train {pct}%", carriage=True))
+    view.handle(line(0, "train 100%"))
+    view.handle(line(0, "after"))
+    view.flush(force=True)
+    rank0 = log_html(view, 1)
+    assert "train 10%" not in rank0 and "train 90%" not in rank0
+    assert rank0.count("train 100%") == 1
+    assert rank0.index("before") < rank0.index("train 100%") < rank0.index("after")
+    assert log_html(view, 0).count("train 100%") == 1
+    assert view.lines_received == 3
+
+
+def test_html_is_escaped_ansi_colours_render_and_long_lines_are_cut(view):
+    view.handle(line(0, "<script>alert(1)</script> & \ufffd\ufffd bytes"))
+    view.handle(line(0, "\x1b[1;31mred bold\x1b[0m plain \x1b[2K\x1b[38;5;28mgreen\x1b[39m"))
+    view.handle(line(1, "x" * 5000))
+    view.flush(force=True)
+    rank0 = log_html(view, 1)
+    assert "<script>" not in rank0 and "&lt;script&gt;alert(1)&lt;/script&gt; &amp;" in rank0
+    assert "\ufffd\ufffd bytes" in rank0
+    assert "<span style='color:#cd3131;font-weight:bold'>red bold</span> plain " in rank0
+    assert "<span style='color:#008700'>green</span>" in rank0
+    assert "\x1b" not in rank0 and "\x1b" not in html(view, "ranks")
+    rank1 = log_html(view, 2)
+    assert "x" * 1000 in rank1 and "x" * 1001 not in rank1
+    assert "4000 more characters" in rank1
+
+
+def test_badges_follow_state_events_only(view):
+    ranks = html(view, "ranks")
+    assert "rank 0 · STARTING" in ranks and "rank 1 · STARTING" in ranks
+    view.handle({"kind": "started", "rank": 0, "pid": 1, "host": "h", "device": "cpu"})
+    view.handle(state(0, RunState.RUNNING))
+    view.handle(state(1, RunState.FAILED, "ValueError: boom"))
+    view.handle(line(0, "done training"))  # output alone never changes a state
+    view.flush(force=True)
+    ranks = html(view, "ranks")
+    assert "rank 0 · RUNNING" in ranks and "rank 1 · FAILED" in ranks
+    assert "ValueError: boom" in ranks
+    assert "#fee2e2" in ranks  # FAILED's colour
+
+
+def test_root_cause_shown_once_with_secondary_failures_folded(view):
+    assert view._widgets["panel"].layout.display == "none"
+    root = {
+        "kind": "diagnosis",
+        "title": "rank 1 of 2 failed: rank 1 raised ValueError: boom",
+        "body": 'Traceback (most recent call last):\n  File "<cell>", line 3\nValueError: boom',
+        "severity": "error",
+        "rank": 1,
+        "secondary": ["rank 0 raised RuntimeError: Connection reset by peer (a consequence)"],
+    }
+    view.handle(root)
+    view.handle(dict(root))  # the same finding again
+    view.handle({**root, "title": "rank 0 of 2 failed: late", "secondary": []})
+    view.handle({**root, "title": "rank 1 is slow", "severity": "warning", "secondary": []})
+    view.flush(force=True)
+    panel = html(view, "panel")
+    assert view._widgets["panel"].layout.display == ""
+    assert panel.count("ValueError: boom</div>") == 1  # the title, once
+    assert "File &quot;&lt;cell&gt;&quot;, line 3" in panel
+    folded = panel[panel.index("<details>") : panel.index("</details>")]
+    assert "2 other failures" in folded
+    assert "Connection reset by peer" in folded and "rank 0 of 2 failed: late" in folded
+    assert "rank 1 is slow" in panel[panel.index("</details>") :]
+
+
+def test_progress_and_heartbeats_render(view):
+    assert view._widgets["progress"].layout.display == "none"
+    view.handle(
+        {
+            "kind": "progress",
+            "rank": 0,
+            "what": "batch_size",
+            "text": "out of memory at batch_size=128, retrying with 64 (attempt 2)",
+            "data": {"batch_size": 64, "attempt": 2},
+        }
+    )
+    view.handle(
+        {
+            "kind": "heartbeat",
+            "rank": 1,
+            "where": "train.py:3 in train",
+            "collective": "all_reduce",
+            "wait_s": 3.0,
+            "busy_s": 4.0,
+            "last_output": time.time(),
+            "stack": "",
+        }
+    )
+    view.flush(force=True)
+    assert "retrying with 64 (attempt 2)" in html(view, "progress")
+    assert view._widgets["progress"].layout.display == ""
+    ranks = html(view, "ranks")
+    assert "compute 25% · wait 75% · in all_reduce" in ranks and "width:25%" in ranks
+
+
+def test_flush_sends_at_most_max_rate_messages_a_second(displayed, monkeypatch):
+    sent: list[float] = []
+    original = ipywidgets.Widget._send
+
+    def counting_send(self, msg, buffers=None):
+        sent.append(time.monotonic())
+        return original(self, msg, buffers)
+
+    monkeypatch.setattr(ipywidgets.Widget, "_send", counting_send)
+    v = LaunchView(max_lines=50, max_rate=20.0)
+    v.handle(run_info(world_size=4))
+    start = time.monotonic()
+    sent.clear()
+    before = v.messages_sent  # the first render, when the view appeared
+    i = 0
+    while time.monotonic() - start < 1.5:
+        for _ in range(200):  # four ranks printing as fast as they can
+            v.handle(line(i % 4, f"line {i}"))
+            i += 1
+        v.flush()
+    elapsed = time.monotonic() - start
+    assert i > 10_000
+    assert v.messages_sent - before == len(sent)  # the view's own count matches what went out
+    assert len(sent) / elapsed <= 20 * 1.25 + 6  # max_rate, plus the one render that overdraws
+    assert v.renders >= 2  # but it did keep the browser up to date
+
+
+def test_handle_is_cheap_and_memory_stays_bounded(view):
+    start = time.perf_counter()
+    for i in range(400_000):
+        view.handle(line(i & 1, f"rank {i & 1} line {i} with some typical text"))
+    took = time.perf_counter() - start
+    assert took < 8.0  # about 1-2 µs a line on a quiet machine
+    assert len(view._all) == 5 and all(len(lines) == 5 for lines in view._per_rank.values())
+    assert view.lines_received == 400_000
+    view.flush(force=True)
+    assert "line 399999" in log_html(view, 0)
+
+
+def test_close_shows_a_static_summary(view, displayed):
+    view.handle(state(0, RunState.DONE))
+    view.handle(state(1, RunState.FAILED, "ValueError: boom"))
+    view.handle(
+        {
+            "kind": "run_ended",
+            "ok": False,
+            "elapsed_s": 2.5,
+            "ranks": {0: "returned", 1: "ValueError: <boom>"},
+        }
+    )
+    view.close()
+    view.close()  # closing twice shows one summary
+    assert len(displayed) == 2
+    summary = displayed[1]
+    text, page = summary["text/plain"], summary["text/html"]
+    assert text.splitlines()[0] == "nblaunch: failed in 2.50 s"
+    assert "rank 0: DONE · returned" in text and "rank 1: FAILED · ValueError: <boom>" in text
+    assert "logs: /tmp/runs/r1" in text
+    assert "ValueError: &lt;boom&gt;" in page and "rank1.log" in page and "/tmp/runs/r1" in page
+    assert ">DONE<" in page and ">FAILED<" in page
+    assert "failed</b> in 2.5 s" in html(view, "head")
+    assert view._widgets["stop"].disabled
+
+
+def test_close_without_a_run_shows_nothing(displayed):
+    v = LaunchView()
+    v.close()
+    assert displayed == []
+
+
+# --- the Stop button -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sigint_calls():
+    calls: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    yield calls
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_stop_interrupts_this_process_once_and_only_while_running(view, sigint_calls):
+    assert view.request_stop() is True
+    assert view.request_stop() is False  # one interrupt per click burst
+    deadline = time.monotonic() + 2
+    while not sigint_calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sigint_calls == [signal.SIGINT]
+    view.stop_requested = False
+    view.handle({"kind": "run_ended", "ok": True, "elapsed_s": 1.0, "ranks": {}})
+    view.close()
+    assert view.request_stop() is False  # a click after the run must not interrupt the kernel
+
+
+class _KernelComm:
+    """Stands in for ipykernel 7's comm: asked on the shell-channel thread where to route."""
+
+    def __init__(self) -> None:
+        self.routed: list = []
+
+    def _reply_subshell_for(self, data, default):
+        self.routed.append(data)
+        return default
+
+
+def test_stop_click_is_seen_on_the_shell_channel_thread(view, sigint_calls):
+    button = type("Button", (), {"comm": _KernelComm()})()
+    assert view._hook_stop(button) is True
+    route = button.comm._reply_subshell_for
+    # ipykernel calls this on its shell-channel thread while the main thread runs the launcher.
+    worker = threading.Thread(target=route, args=({"method": "update", "state": {}}, None))
+    worker.start()
+    worker.join()
+    assert not view.stop_requested  # only a click stops
+    click = {"method": "custom", "content": {"event": "click"}}
+    worker = threading.Thread(target=route, args=(click, "sub"))
+    worker.start()
+    worker.join()
+    assert view.stop_requested
+    assert len(button.comm.routed) == 2  # routing itself is left to the kernel
+    deadline = time.monotonic() + 2
+    while not sigint_calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sigint_calls == [signal.SIGINT]
+
+
+def test_without_the_kernel_hook_the_button_says_so(view):
+    assert view._hook_stop(object()) is False
+    assert view.stop_hooked is False  # outside a kernel there is no shell-channel thread
+    assert "interrupt" in view._widgets["stop"].tooltip
+
+
+def test_visible_lines_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("NBLAUNCH_VIEW_LINES", "7")
+    assert LaunchView().max_lines == 7
+    monkeypatch.setenv("NBLAUNCH_VIEW_LINES", "lots")
+    assert LaunchView().max_lines == widgets.DEFAULT_VIEW_LINES
+    assert LaunchView(max_lines=3).max_lines == 3
+    with pytest.raises(ValueError, match="must be positive"):
+        LaunchView(max_rate=0)
+
+
+def test_an_interrupted_run_reads_stopped_and_logs_show_their_level(view, displayed):
+    view.handle(
+        {
+            "kind": "log",
+            "rank": 1,
+            "level": "WARNING",
+            "name": "train",
+            "message": "loss is nan",
+            "in_order": False,
+            "seq": 0,
+            "time": time.time(),
+        }
+    )
+    view.handle(state(0, RunState.STOPPED, "interrupted"))
+    view.handle(state(1, RunState.STOPPED, "interrupted"))
+    view.handle({"kind": "run_ended", "ok": False, "elapsed_s": 3.0, "ranks": {}})
+    view.close()
+    assert "<span class='nbl-err'>WARNING train: loss is nan</span>" in log_html(view, 2)
+    assert "stopped</b> in 3.0 s" in html(view, "head")
+    assert displayed[-1]["text/plain"].startswith("nblaunch: stopped in 3.00 s")
+
+
+def test_text_view_prints_rank_prefixed_lines():
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    v = TextView(out, err)
+    v.handle(run_info())
+    v.handle(line(1, "hello"))
+    v.handle(
+        {
+            "kind": "log",
+            "rank": 0,
+            "level": "INFO",
+            "name": "train",
+            "message": "step 3",
+            "in_order": False,
+            "seq": 0,
+            "time": time.time(),
+        }
+    )
+    v.close()
+    assert "nblaunch: 2 rank(s) on CPU (forkserver, debug)" in out.getvalue()
+    assert "[rank 1] hello\n" in out.getvalue() and "[rank 0] INFO step 3\n" in err.getvalue()
