@@ -5,11 +5,14 @@ traceback attached and a note naming the rank; the classes below are for everyth
 
     NblaunchError
     ├── LaunchError                     nothing started: bad arguments, unpicklable payload,
-    │                                   busy port, devices held by a pool
+    │   │                               busy port, devices held by a pool
+    │   └── RendezvousTimeoutError      multi-node: not every node joined in time
     ├── RankFailedError                 a rank died without a Python exception (signal, exit
     │   │                               code), or its exception could not be re-created
     │   └── LaunchTimeoutError          ``timeout=`` ran out with ranks still running
     ├── DistributedHangError            ranks sat in collectives that could never complete
+    ├── NoExecutableBatchSizeError      find_executable_batch_size ran out of memory at every
+    │                                   batch size down to 1 (also a RuntimeError)
     └── DistributedOperationException   debug mode: ranks called a collective with mismatched
                                         shapes, dtypes, devices, or different operations
 """
@@ -29,6 +32,38 @@ class LaunchError(NblaunchError):
 
     The message names what is wrong and how to fix it; nothing ran and nothing was lost.
     """
+
+
+class RendezvousTimeoutError(LaunchError, TimeoutError):
+    """A multi-node run: not every node joined the rendezvous within ``rdzv_timeout``.
+
+    Start ``python -m nblaunch join ENDPOINT --run-id RUN`` (the command the notebook printed)
+    on each missing node, check that those nodes can reach the endpoint, or launch with fewer
+    nodes. Nothing ran.
+
+    Attributes
+    ----------
+    endpoint : str
+        The rendezvous endpoint, ``host:port``.
+    joined, expected : int
+        How many nodes joined (this one included), out of how many.
+    """
+
+    def __init__(self, message: str, *, endpoint: str, joined: int, expected: int) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.joined = joined
+        self.expected = expected
+
+    def __reduce__(self):
+        return (
+            _rebuild_rendezvous_timeout,
+            (str(self), self.endpoint, self.joined, self.expected),
+        )
+
+
+def _rebuild_rendezvous_timeout(message, endpoint, joined, expected):
+    return RendezvousTimeoutError(message, endpoint=endpoint, joined=joined, expected=expected)
 
 
 class RankFailedError(NblaunchError):
@@ -112,6 +147,14 @@ class DistributedHangError(NblaunchError):
 
     def __reduce__(self):
         return (DistributedHangError, (str(self),), {"stacks": self.stacks})
+
+
+class NoExecutableBatchSizeError(NblaunchError, RuntimeError):
+    """``find_executable_batch_size`` ran out of memory at every size down to 1.
+
+    The message lists the sizes tried. Make the model or its inputs smaller (shorter
+    sequences, lower precision, gradient checkpointing) or spread it over more devices.
+    """
 
 
 class DistributedOperationException(NblaunchError):

@@ -1,0 +1,5 @@
+"""``python -m nblaunch``: the same as the ``nblaunch`` command."""
+
+from nblaunch.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""The ``nblaunch`` command.
+
+``nblaunch env [--hostfile FILE]`` prints the environment report (see :mod:`nblaunch.doctor`);
+``nblaunch run SCRIPT -n N [-- ARGS...]`` runs a script on N ranks through ``notebook_launcher``,
+with every rank's output prefixed and the failing rank's own error at the end.
+
+Each subcommand is a function in :data:`COMMANDS` that adds its parser; a new subcommand is one
+more such function and one more entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+# Subcommands: each adds its parser to the subparsers and sets ``handler`` (args -> exit code).
+# An option-taking subcommand that forwards unknown arguments sets ``forward_extra=True``.
+Subparsers = Any  # argparse._SubParsersAction, which argparse does not export
+
+
+def add_env_command(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "env",
+        help="print the environment report (paste it into bug reports)",
+        description=(
+            "Versions, OS and kernel, CPUs, RAM, GPUs, safe start methods and warnings. "
+            "With --hostfile, also check passwordless SSH to every host and look for mpirun."
+        ),
+    )
+    parser.add_argument(
+        "--hostfile", metavar="FILE", help="MPI hostfile whose hosts to check over SSH"
+    )
+    parser.add_argument(
+        "--ssh-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds each host gets to answer (default 5)",
+    )
+    parser.set_defaults(handler=run_env)
+
+
+def run_env(args: argparse.Namespace) -> int:
+    from nblaunch import doctor
+
+    sys.stdout.write(doctor.report())
+    if args.hostfile is None:
+        return 0
+    result = doctor.check_hosts(args.hostfile, timeout=args.ssh_timeout)
+    sys.stdout.write("\n" + result.text())
+    return 0 if result.ok else 1
+
+
+def add_run_command(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="run a Python script on N ranks",
+        description=(
+            "Run SCRIPT as __main__ on every rank, with the process group set up and the "
+            "torchrun variables (RANK, WORLD_SIZE, ...) set. Arguments nblaunch does not know, "
+            "and everything after --, go to the script."
+        ),
+    )
+    parser.add_argument("script", metavar="SCRIPT", help="the Python file to run")
+    parser.add_argument(
+        "-n", "--num-processes", type=int, default=None, metavar="N", help="number of ranks"
+    )
+    parser.add_argument("--debug", action="store_true", default=None, help="check collectives")
+    parser.add_argument(
+        "--start-method", default="forkserver", choices=("forkserver", "spawn", "fork")
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu", "xla"), default=None)
+    parser.add_argument("--timeout", type=float, default=None, metavar="S")
+    parser.add_argument("--hang-timeout", type=float, default=None, metavar="S")
+    parser.add_argument("--log-level", default=None)
+    parser.set_defaults(handler=run_script_command, forward_extra=True)
+
+
+def run_script_command(args: argparse.Namespace) -> int:
+    import os
+
+    from nblaunch.errors import LaunchError
+    from nblaunch.launcher import notebook_launcher
+
+    path = os.path.abspath(args.script)
+    if not os.path.isfile(path):
+        print(f"nblaunch: no such script: {args.script}", file=sys.stderr)
+        return 2
+    options: dict[str, Any] = {}
+    if args.hang_timeout is not None:
+        options["hang_timeout"] = args.hang_timeout
+    try:
+        notebook_launcher(
+            run_script,
+            (path, list(args.extra)),
+            args.num_processes,
+            start_method=args.start_method,
+            debug=args.debug,
+            log_level=args.log_level,
+            timeout=args.timeout,
+            device_type=args.device,
+            display="text",
+            **options,
+        )
+    except KeyboardInterrupt:
+        print("nblaunch: interrupted; every rank was stopped", file=sys.stderr)
+        return 130
+    except LaunchError as exc:
+        print(f"nblaunch: {exc}", file=sys.stderr)
+        return 2
+    except BaseException as exc:  # the failing rank's own exception, with its traceback
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_script(path: str, argv: list[str]) -> None:
+    """Inside a rank: run ``path`` as ``__main__`` with ``sys.argv = [path, *argv]``."""
+    import os
+    import runpy
+
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))  # as `python SCRIPT` does
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+
+
+def add_join_command(subparsers: Subparsers) -> None:
+    """``nblaunch join ENDPOINT --run-id RUN``: this node joins a notebook's multi-node run."""
+    from nblaunch.join import add_parser
+
+    add_parser(subparsers)
+
+
+COMMANDS: list[Callable[[Subparsers], None]] = [add_env_command, add_run_command, add_join_command]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from nblaunch import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="nblaunch",
+        description="Run distributed PyTorch from a notebook or a terminal, and check the setup.",
+    )
+    parser.add_argument("--version", action="version", version=f"nblaunch {__version__}")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for add_command in COMMANDS:
+        add_command(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``nblaunch`` command; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" belongs to the script, whatever it looks like.
+    tail: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, tail = argv[:cut], argv[cut + 1 :]
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if getattr(args, "forward_extra", False):
+        args.extra = [*extra, *tail]
+    elif extra or tail:
+        parser.error(f"unrecognized arguments: {' '.join([*extra, *tail])}")
+    return int(handler(args) or 0)

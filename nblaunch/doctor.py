@@ -1,0 +1,583 @@
+"""The environment doctor: a report to paste into a bug report, and warnings before a launch.
+
+:func:`report` is what ``nblaunch env`` and ``%dist env`` print: versions, OS and kernel, CPUs and
+RAM, each accelerator with its name and memory, whether CUDA is already initialised in this
+process and which start methods are therefore safe. :func:`launch_warnings` is what a launch adds
+to its header: a Linux kernel older than 5.5, GPUs of different models or memory sizes.
+:func:`check_hosts` checks a hostfile for MPI or multi-host CPU runs: passwordless SSH to each
+host, the name it answers with, and whether ``mpirun`` is here.
+
+Nothing here initialises CUDA: GPUs are listed through NVML (the driver's management library),
+which is what ``torch.cuda.device_count()`` uses too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# Kernels before this have been reported to hang distributed runs (Accelerate warns as well).
+MIN_KERNEL = (5, 5)
+SSH_TIMEOUT_S = 5.0
+PACKAGES = ("torch", "ipykernel", "ipywidgets", "cloudpickle", "accelerate")
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One device as the report lists it."""
+
+    index: int
+    name: str
+    memory_bytes: int | None
+    source: str  # "torch", "nvml", "nvidia-smi"
+
+    def describe(self) -> str:
+        memory = f", {self.memory_bytes / GIB:.1f} GiB" if self.memory_bytes else ""
+        return f"cuda:{self.index} {self.name}{memory}"
+
+
+# --- kernel --------------------------------------------------------------------------------------
+
+
+def parse_kernel_release(release: str) -> tuple[int, int] | None:
+    """``(major, minor)`` from a kernel release string, or None when it has no version.
+
+    >>> parse_kernel_release("6.18.44-fc-v236-gpu")
+    (6, 18)
+    >>> parse_kernel_release("5.15") , parse_kernel_release("4.4.0"), parse_kernel_release("x")
+    ((5, 15), (4, 4), None)
+    """
+    if not isinstance(release, str):
+        return None
+    match = re.match(r"\s*(\d+)(?:\.(\d+))?", release)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+def kernel_warning(system: str | None = None, release: str | None = None) -> str | None:
+    """The old-kernel warning for this machine (or the given ``system``/``release``)."""
+    system = platform.system() if system is None else system
+    release = platform.release() if release is None else release
+    if system != "Linux":
+        return None
+    version = parse_kernel_release(release)
+    if version is None or version >= MIN_KERNEL:
+        return None
+    return (
+        f"Linux kernel {release} is older than {MIN_KERNEL[0]}.{MIN_KERNEL[1]}: distributed runs "
+        "have been reported to hang on such kernels; if ranks stall for no reason, run on a "
+        "machine with a newer kernel"
+    )
+
+
+# --- accelerators --------------------------------------------------------------------------------
+
+
+def accelerators() -> list[Accelerator]:
+    """The visible GPUs with names and memory, without initialising CUDA.
+
+    From torch when CUDA is already initialised here (exact, in CUDA's order); otherwise from
+    NVML, then ``nvidia-smi``, filtered by ``CUDA_VISIBLE_DEVICES``.
+    """
+    torch = _torch()
+    if torch is not None and _cuda_initialized():
+        found = []
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            found.append(Accelerator(index, props.name, int(props.total_memory), "torch"))
+        return found
+    return list(_driver_gpus())
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_gpus() -> tuple[Accelerator, ...]:
+    """GPUs the driver lists, restricted to CUDA_VISIBLE_DEVICES; cached (they do not change)."""
+    listed = _nvml_gpus()
+    if listed is None:
+        listed = _nvidia_smi_gpus()
+    if not listed:
+        return ()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        chosen = []
+        for item in (part.strip() for part in visible.split(",")):
+            if not item:
+                break
+            if item.isdigit():
+                match = [g for g in listed if g["index"] == int(item)]
+            else:
+                match = [g for g in listed if g["uuid"].startswith(item)]
+            if not match:
+                break  # CUDA also ignores everything after an invalid entry
+            chosen.append(match[0])
+        listed = chosen
+    source = listed[0]["source"] if listed else ""
+    return tuple(Accelerator(i, gpu["name"], gpu["memory"], source) for i, gpu in enumerate(listed))
+
+
+def _nvml_gpus() -> list[dict[str, Any]] | None:
+    """Name, total memory and UUID of every GPU, through the driver's NVML library."""
+
+    class _Memory(ctypes.Structure):
+        _fields_ = [
+            ("total", ctypes.c_ulonglong),
+            ("free", ctypes.c_ulonglong),
+            ("used", ctypes.c_ulonglong),
+        ]
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        gpus = []
+        for index in range(count.value):
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+                continue
+            name = ctypes.create_string_buffer(96)
+            uuid = ctypes.create_string_buffer(96)
+            memory = _Memory()
+            nvml.nvmlDeviceGetName(handle, name, 96)
+            nvml.nvmlDeviceGetUUID(handle, uuid, 96)
+            has_memory = nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) == 0
+            gpus.append(
+                {
+                    "index": index,
+                    "name": name.value.decode(errors="replace") or "GPU",
+                    "uuid": uuid.value.decode(errors="replace"),
+                    "memory": int(memory.total) if has_memory else None,
+                    "source": "nvml",
+                }
+            )
+        return gpus
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _nvidia_smi_gpus() -> list[dict[str, Any]]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index,name,memory.total,uuid", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) < 4 or not fields[0].isdigit():
+            continue
+        memory = int(fields[2]) * (1 << 20) if fields[2].isdigit() else None
+        gpus.append(
+            {
+                "index": int(fields[0]),
+                "name": fields[1],
+                "memory": memory,
+                "uuid": fields[3],
+                "source": "nvidia-smi",
+            }
+        )
+    return gpus
+
+
+def gpu_mix_warning(gpus: list[Accelerator]) -> str | None:
+    """A warning when the GPUs differ in model or memory size, else None."""
+    kinds: dict[tuple[str, int | None], int] = {}
+    for gpu in gpus:
+        # Round memory to 1 GiB: identical boards report a few MiB apart under some drivers.
+        size = round(gpu.memory_bytes / GIB) if gpu.memory_bytes else None
+        kinds[(gpu.name, size)] = kinds.get((gpu.name, size), 0) + 1
+    if len(kinds) < 2:
+        return None
+    mix = ", ".join(
+        f"{count} x {name}" + (f" ({size} GiB)" if size else "")
+        for (name, size), count in kinds.items()
+    )
+    return (
+        f"the GPUs differ: {mix}. The slowest sets the pace of every step and the smallest "
+        "sets the batch size; pick matching GPUs with CUDA_VISIBLE_DEVICES"
+    )
+
+
+def launch_warnings(
+    device_type: str | None = None,
+    num_processes: int | None = None,
+    *,
+    gpus: list[Accelerator] | None = None,
+    system: str | None = None,
+    release: str | None = None,
+) -> list[str]:
+    """Warnings for a launch's header: an old Linux kernel, GPUs of different kinds.
+
+    Cheap, and never raises: a launch must not fail because a check could not run.
+
+    Parameters
+    ----------
+    device_type
+        The launch's device type; GPUs are compared only for ``"cuda"``.
+    num_processes
+        Ranks use the first ``num_processes`` GPUs; only those are compared.
+    gpus, system, release
+        Stand-ins for this machine's, for tests.
+    """
+    warnings: list[str] = []
+    with contextlib.suppress(Exception):
+        warning = kernel_warning(system, release)
+        if warning:
+            warnings.append(warning)
+    if device_type == "cuda" or gpus is not None:
+        with contextlib.suppress(Exception):
+            used = accelerators() if gpus is None else gpus
+            warning = gpu_mix_warning(used[:num_processes] if num_processes else used)
+            if warning:
+                warnings.append(warning)
+    return warnings
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def safe_start_methods() -> list[str]:
+    """Start methods that work from this process now (``fork`` not once CUDA is initialised)."""
+    methods = ["forkserver", "spawn"]
+    if not _cuda_initialized():
+        methods.append("fork")
+    return methods
+
+
+def collect() -> dict[str, Any]:
+    """Everything the report shows, as data."""
+    import psutil
+
+    import nblaunch
+
+    versions = {"nblaunch": nblaunch.__version__, "Python": _python_version()}
+    for package in PACKAGES:
+        versions[package] = _package_version(package)
+    torch = _torch(import_it=True)
+    builds = {}
+    backends = []
+    if torch is not None:
+        builds["CUDA"] = torch.version.cuda
+        builds["ROCm"] = getattr(torch.version, "hip", None)
+        with contextlib.suppress(Exception):
+            import torch.distributed as dist
+
+            if dist.is_available():
+                names = ("gloo", "nccl", "mpi", "ucc")
+                backends = [n for n in names if getattr(dist, f"is_{n}_available", lambda: 0)()]
+    memory = psutil.virtual_memory()
+    try:
+        usable_cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable_cpus = os.cpu_count() or 1
+    gpus = accelerators()
+    return {
+        "versions": versions,
+        "builds": builds,
+        "backends": backends,
+        "os": f"{platform.system()} {platform.release()} ({platform.machine()})",
+        "os_detail": platform.platform(),
+        "cpus": os.cpu_count() or 1,
+        "usable_cpus": usable_cpus,
+        "ram_total": memory.total,
+        "ram_available": memory.available,
+        "accelerators": gpus,
+        "mps": _mps_available(torch),
+        "cuda_initialized": _cuda_initialized(),
+        "start_methods": safe_start_methods(),
+        "warnings": launch_warnings(gpus=gpus) if gpus else launch_warnings(),
+        "mpirun": mpirun_version(),
+    }
+
+
+def report(
+    hostfile: str | os.PathLike[str] | None = None, *, ssh_timeout: float = SSH_TIMEOUT_S
+) -> str:
+    """The environment report (what ``nblaunch env`` and ``%dist env`` print).
+
+    Parameters
+    ----------
+    hostfile
+        Also check these hosts (see :func:`check_hosts`).
+    ssh_timeout
+        Seconds each host gets to answer.
+    """
+    facts = collect()
+    lines = ["nblaunch environment", ""]
+    width = max(len(name) for name in facts["versions"]) + 2
+    for name, version in facts["versions"].items():
+        lines.append(f"  {name:<{width}}{version or 'not installed'}")
+    builds = ", ".join(f"{k} {v}" for k, v in facts["builds"].items() if v) or "CPU only"
+    lines.append(f"  {'torch build':<{width}}{builds}")
+    lines.append(f"  {'backends':<{width}}{', '.join(facts['backends']) or 'none'}")
+    lines.append("")
+    lines.append(f"  OS          {facts['os']}")
+    lines.append(f"  CPUs        {facts['cpus']} ({facts['usable_cpus']} usable by this process)")
+    lines.append(
+        f"  RAM         {facts['ram_total'] / GIB:.1f} GiB "
+        f"({facts['ram_available'] / GIB:.1f} GiB available)"
+    )
+    gpus = facts["accelerators"]
+    if gpus:
+        lines.append(f"  GPUs        {len(gpus)} (from {gpus[0].source})")
+        lines += [f"    {gpu.describe()}" for gpu in gpus]
+    elif facts["mps"]:
+        lines.append("  GPUs        Apple MPS")
+    else:
+        lines.append("  GPUs        none (ranks run on CPU with gloo)")
+    initialized = "yes" if facts["cuda_initialized"] else "no"
+    lines.append(f"  CUDA initialised in this process: {initialized}")
+    lines.append(f"  safe start methods: {', '.join(facts['start_methods'])}")
+    lines.append(f"  mpirun      {facts['mpirun'] or 'not found on PATH'}")
+    if facts["warnings"]:
+        lines.append("")
+        lines += [f"  warning: {w}" for w in facts["warnings"]]
+    text = "\n".join(lines) + "\n"
+    if hostfile is not None:
+        text += "\n" + check_hosts(hostfile, timeout=ssh_timeout).text()
+    return text
+
+
+def _python_version() -> str:
+    return f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})"
+
+
+def _package_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _torch(import_it: bool = False) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None and import_it:
+        with contextlib.suppress(ImportError):
+            import torch
+    return torch
+
+
+def _cuda_initialized() -> bool:
+    from nblaunch.supervisor import cuda_initialized
+
+    return cuda_initialized()
+
+
+def _mps_available(torch: Any) -> bool:
+    with contextlib.suppress(Exception):
+        return bool(torch is not None and torch.backends.mps.is_available())
+    return False
+
+
+# --- hosts and MPI -------------------------------------------------------------------------------
+
+
+def mpirun_version() -> str | None:
+    """``mpirun``'s path and first version line, or None when it is not on PATH."""
+    path = shutil.which("mpirun")
+    if path is None:
+        return None
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=10, check=False
+        )
+        first = next((line for line in (out.stdout + out.stderr).splitlines() if line.strip()), "")
+    except (OSError, subprocess.SubprocessError):
+        first = ""
+    return f"{path} ({first.strip()})" if first else path
+
+
+def read_hostfile(path: str | os.PathLike[str]) -> list[str]:
+    """Host names from an MPI hostfile (``host slots=4``, ``host:4``, ``# comments``), in order."""
+    hosts: list[str] = []
+    for raw in Path(path).read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host = line.split()[0]
+        if ":" in host and host.count(":") == 1:  # MPICH's host:slots (not an IPv6 address)
+            host = host.split(":", 1)[0]
+        if host not in hosts:
+            hosts.append(host)
+    return hosts
+
+
+@dataclasses.dataclass
+class HostCheck:
+    """What one host said to ``ssh -o BatchMode=yes host hostname``."""
+
+    host: str
+    ok: bool
+    answered: str  # the host name it answered with
+    problem: str  # what went wrong, in words
+    fix: str  # what to do about it
+    seconds: float
+
+
+@dataclasses.dataclass
+class HostsReport:
+    hostfile: str
+    hosts: list[HostCheck]
+    mpirun: str | None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and all(h.ok for h in self.hosts)
+
+    def text(self) -> str:
+        lines = [f"hosts in {self.hostfile}:"]
+        if self.error:
+            lines.append(f"  {self.error}")
+        for check in self.hosts:
+            if check.ok:
+                note = ""
+                if check.answered.split(".")[0] != check.host.split(".")[0]:
+                    note = f" (it calls itself {check.answered!r})"
+                lines.append(f"  ok    {check.host}: passwordless SSH works{note}")
+            else:
+                lines.append(f"  FAIL  {check.host}: {check.problem}")
+                lines.append(f"        fix: {check.fix}")
+        lines.append(f"  mpirun: {self.mpirun or 'not found on PATH; install Open MPI or MPICH'}")
+        good = sum(h.ok for h in self.hosts)
+        lines.append(f"  {good} of {len(self.hosts)} host(s) reachable")
+        return "\n".join(lines) + "\n"
+
+
+# ssh's stderr -> (what went wrong, what to do). The first pattern that matches wins.
+_SSH_PROBLEMS = (
+    (
+        r"permission denied",
+        "SSH asks for a password or key passphrase (BatchMode refuses to prompt)",
+        "set up key login: ssh-keygen, then ssh-copy-id {host}; use an agent for passphrases",
+    ),
+    (
+        r"host key verification failed",
+        "the host key is not in known_hosts",
+        "connect once by hand (ssh {host}) to accept its key, or ssh-keyscan {host} >> "
+        "~/.ssh/known_hosts",
+    ),
+    (
+        r"could not resolve hostname|name or service not known|nodename nor servname",
+        "the name does not resolve",
+        "fix the name in the hostfile, or add it to /etc/hosts or DNS",
+    ),
+    (
+        r"connection refused",
+        "nothing listens for SSH there",
+        "start sshd on {host}, or check the port",
+    ),
+    (
+        r"timed out|no route to host|network is unreachable",
+        "the host does not answer",
+        "check that {host} is up and reachable from here (firewall, VPN, address)",
+    ),
+)
+
+
+def _check_host(host: str, timeout: float, ssh: str) -> HostCheck:
+    import time
+
+    command = [
+        ssh,
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={max(1, int(timeout))}",
+        host,
+        "hostname",
+    ]
+    started = time.monotonic()
+    # Own session, so a timeout can stop ssh and anything it started (a ProxyCommand, say).
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout + 2)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        return HostCheck(
+            host,
+            False,
+            "",
+            f"no answer within {timeout + 2:g} s",
+            f"check that {host} is up and reachable from here (firewall, VPN, address)",
+            time.monotonic() - started,
+        )
+    seconds = time.monotonic() - started
+    answered = stdout.strip().splitlines()[-1].strip() if stdout.strip() else ""
+    if process.returncode == 0 and answered:
+        return HostCheck(host, True, answered, "", "", seconds)
+    err = stderr.strip()
+    for pattern, problem, fix in _SSH_PROBLEMS:
+        if re.search(pattern, err, re.IGNORECASE):
+            return HostCheck(host, False, "", problem, fix.format(host=host), seconds)
+    detail = err.splitlines()[-1] if err else f"exit code {process.returncode}, no output"
+    return HostCheck(
+        host,
+        False,
+        "",
+        f"ssh failed: {detail}",
+        f"run `ssh -o BatchMode=yes {host} hostname` by hand to see why",
+        seconds,
+    )
+
+
+def check_hosts(hostfile: str | os.PathLike[str], *, timeout: float = SSH_TIMEOUT_S) -> HostsReport:
+    """Check every host of an MPI hostfile: passwordless SSH, the name it answers with.
+
+    Hosts are checked in parallel, each with its own ``timeout``, so one dead host costs
+    ``timeout`` seconds, not one per host.
+    """
+    path = str(hostfile)
+    mpirun = mpirun_version()
+    try:
+        hosts = read_hostfile(path)
+    except OSError as exc:
+        return HostsReport(path, [], mpirun, f"cannot read the hostfile: {exc.strerror or exc}")
+    if not hosts:
+        return HostsReport(path, [], mpirun, "the hostfile lists no hosts")
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        return HostsReport(
+            path, [], mpirun, "ssh is not on PATH; install an OpenSSH client (openssh-client)"
+        )
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        checks = list(pool.map(lambda host: _check_host(host, timeout, ssh), hosts))
+    return HostsReport(path, checks, mpirun)

@@ -1,0 +1,743 @@
+"""Out-of-memory retries that keep every rank on the same batch size, and memory helpers.
+
+:func:`find_executable_batch_size` runs a training function at a batch size, and when it runs out
+of memory, frees what it can and runs it again at a smaller size. With several ranks, a rank that
+ran out of memory must not go on alone: the ranks would pair up collectives from different
+attempts (silently wrong results) or wait for each other forever. So:
+
+- After each attempt, every rank records "ok" or "out of memory" in the process group's key-value
+  store and waits until every rank has done the same (an agreement that cannot pair up with the
+  training's own collectives); then all ranks retry, or all go on, together.
+- When a rank ran out of memory while its peers were blocked in a collective of that attempt
+  (they can never reach the agreement), the parent's :class:`BatchSizeMonitor` notices it and asks
+  the launcher to restart every rank at the smaller size.
+
+Each agreed attempt is a ``Progress`` event (``what="batch_size"``) that views print as
+``128 x (rank 1: out of memory) -> 64 x -> 32 ok``, then ``batch 32 per rank x 2 ranks = 64
+effective``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import inspect
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from nblaunch import worker
+from nblaunch.errors import NoExecutableBatchSizeError
+
+# Text of out-of-memory errors that do not come as torch.OutOfMemoryError.
+OOM_MESSAGES = (
+    "CUDA out of memory",  # the CUDA caching allocator (older torch: plain RuntimeError)
+    "CUDA error: out of memory",  # a CUDA call outside the caching allocator
+    "HIP out of memory",  # ROCm
+    "XPU out of memory",  # Intel GPUs
+    "NPU out of memory",  # Ascend (torch_npu)
+    "MPS backend out of memory",  # Apple GPUs
+    "CUDNN_STATUS_NOT_SUPPORTED",  # cuDNN fails this way when its workspace does not fit
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "DefaultCPUAllocator: can't allocate memory",  # CPU tensors, Linux/macOS
+    "DefaultCPUAllocator: not enough memory",  # CPU tensors, Windows
+    "can NOT allocate memory block with size larger than",  # Intel GPUs, per-block limit
+)
+# Key of the setup option through which a restart tells ranks where to resume the search.
+RESTART_OPTION = "batch_size_restart"
+# A rank that ran out of memory says it is waiting for its peers after this long.
+WAIT_NOTICE_S = 0.5
+# Parent side: a peer counts as blocked after this many heartbeats in a collective since then
+# (heartbeats carry a position sampled within the last 50 ms, and the notice comes 0.5 s after
+# the out-of-memory, so the first one is already past any collective that could complete)...
+STUCK_HEARTBEATS = 1
+# ...or, when ranks send no heartbeats at all, after this many seconds without reaching agreement.
+STUCK_WITHOUT_HEARTBEAT_S = 5.0
+# Restarts of one launch, at most (a custom reduce function could otherwise shrink very slowly).
+MAX_RESTARTS = 16
+
+# Searches are numbered per task (reset by a task hook), and keyed by the task's id, which every
+# rank gets from the parent: ranks agree on names even after a task failed half-way on some.
+_call_index = 0
+
+
+@contextlib.contextmanager
+def _count_searches(context: worker.RankContext) -> Iterator[None]:
+    global _call_index
+    _call_index = 0
+    yield
+
+
+worker.add_task_hook(_count_searches)
+
+
+# --- recognising out-of-memory -------------------------------------------------------------------
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True when ``exc`` (or the exception it was raised ``from``) means memory ran out.
+
+    Recognises ``torch.OutOfMemoryError``, Python's ``MemoryError``, and the messages of CUDA,
+    ROCm, cuDNN/cuBLAS allocation failures, the CPU allocator, XPU, NPU and MPS.
+    """
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 8:
+        if _is_out_of_memory_one(current):
+            return True
+        current = current.__cause__  # a library may wrap the OOM: `raise X from oom`
+        seen += 1
+    return False
+
+
+def _is_out_of_memory_one(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    if not isinstance(exc, Exception):
+        return False
+    text = str(exc)
+    return any(message in text for message in OOM_MESSAGES)
+
+
+# --- memory and reproducibility helpers ----------------------------------------------------------
+
+
+def free_memory(*objects: Any) -> list[None]:
+    """Drop references, collect garbage and empty the device caches.
+
+    Use it as ``model, optimizer = free_memory(model, optimizer)``: the returned ``None``\\ s
+    replace your names, so nothing keeps the objects alive once the caches are emptied.
+
+    Returns
+    -------
+    list
+        One ``None`` per object passed.
+    """
+    count = len(objects)
+    del objects
+    gc.collect()
+    empty_device_caches()
+    return [None] * count
+
+
+def empty_device_caches() -> None:
+    """Give cached, unused device memory back to the device (CUDA, XPU, NPU, MPS)."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # nothing was ever allocated through torch
+        return
+    with contextlib.suppress(Exception):
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    for name in ("xpu", "npu", "mps"):
+        backend = getattr(torch, name, None)
+        with contextlib.suppress(Exception):
+            if backend is not None and backend.is_available():
+                backend.empty_cache()
+
+
+def set_seed(seed: int, device_specific: bool = False) -> int:
+    """Seed Python's, NumPy's and torch's generators (CPU and every device).
+
+    Parameters
+    ----------
+    seed
+        The seed.
+    device_specific
+        Add the rank to the seed, so ranks draw different numbers (data augmentation) while
+        the run stays reproducible.
+
+    Returns
+    -------
+    int
+        The seed used on this rank.
+    """
+    if device_specific:
+        seed += worker.rank()
+    random.seed(seed)
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    import torch
+
+    torch.manual_seed(seed)  # seeds CUDA and the other devices torch knows too
+    return seed
+
+
+def per_device_batch_size(global_batch_size: int) -> int:
+    """The per-rank batch size that keeps ``global_batch_size`` whatever the number of ranks.
+
+    Results change with the number of devices when the effective batch size does; dividing one
+    global size keeps it.
+
+    Raises
+    ------
+    ValueError
+        When ``global_batch_size`` does not divide evenly over the ranks.
+    """
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
+        raise TypeError(f"global_batch_size must be an int, got {global_batch_size!r}")
+    size = worker.world_size()
+    if global_batch_size < size or global_batch_size % size:
+        lower = global_batch_size // size * size
+        upper = lower + size
+        choices = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(
+            f"global batch size {global_batch_size} does not divide over {size} ranks; "
+            f"use a multiple of {size} ({choices}), or another number of processes"
+        )
+    per_rank = global_batch_size // size
+    if _reports():
+        worker.emit(_final_event(per_rank, size))
+    return per_rank
+
+
+# --- the batch-size search -----------------------------------------------------------------------
+
+
+def find_executable_batch_size(
+    function: Callable[..., Any] | None = None,
+    *,
+    starting_batch_size: int = 128,
+    reduce_batch_size_fn: Callable[[int], int] | None = None,
+) -> Any:
+    """Run ``function(batch_size, ...)``, retrying at smaller sizes when memory runs out.
+
+    Decorate an inner training function whose first parameter is the batch size, and call it
+    without that argument; build everything that holds device memory (model, optimizer,
+    dataloader) inside it, so a retry starts clean::
+
+        @find_executable_batch_size(starting_batch_size=128)
+        def train(batch_size, epochs):
+            model = build_model().to(device)
+            ...
+
+        train(3)                                    # or: find_executable_batch_size(f)(3)
+
+    On several ranks, every rank ends on the same batch size: the ranks agree on each attempt's
+    outcome before any goes on, and ranks blocked in a collective while a peer ran out of memory
+    are restarted by the launcher at the smaller size.
+
+    Parameters
+    ----------
+    function
+        The function; omit it to use ``find_executable_batch_size(...)`` as a decorator.
+    starting_batch_size
+        The first size tried.
+    reduce_batch_size_fn
+        ``reduce(batch_size) -> smaller batch size``; default: halve.
+
+    Returns
+    -------
+    callable
+        The wrapped function; it returns what ``function`` returns at the size that fit.
+
+    Raises
+    ------
+    NoExecutableBatchSizeError
+        The size went below 1; the message lists the sizes tried.
+    TypeError
+        The wrapped function was called with a batch size.
+    """
+    if function is None:
+        return functools.partial(
+            find_executable_batch_size,
+            starting_batch_size=starting_batch_size,
+            reduce_batch_size_fn=reduce_batch_size_fn,
+        )
+    if (
+        isinstance(starting_batch_size, bool)
+        or not isinstance(starting_batch_size, int)
+        or starting_batch_size < 1
+    ):
+        raise ValueError(
+            f"starting_batch_size must be a whole number of at least 1, got {starting_batch_size!r}"
+        )
+    reduce = reduce_batch_size_fn or _halve
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _refuse_batch_size_argument(function, args, kwargs)
+        return _Search(function, starting_batch_size, reduce).run(args, kwargs)
+
+    return wrapper
+
+
+def _halve(batch_size: int) -> int:
+    return batch_size // 2
+
+
+def _refuse_batch_size_argument(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if not parameters or any(p.kind == p.VAR_POSITIONAL for p in parameters):
+        return
+    name = getattr(function, "__name__", "the function")
+    first = parameters[0].name
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(args) >= len(positional) or first in kwargs:
+        raise TypeError(
+            f"call {name}() without its first argument {first!r}: find_executable_batch_size "
+            f"passes the batch size itself (you passed {len(args)} positional argument(s)"
+            f"{' and ' + first + '=' if first in kwargs else ''})"
+        )
+
+
+class _Search:
+    """One call of a wrapped function: attempts, agreement, events."""
+
+    def __init__(
+        self, function: Callable[..., Any], starting: int, reduce: Callable[[int], int]
+    ) -> None:
+        global _call_index
+        self.function = function
+        self.reduce = reduce
+        context = worker.current()
+        self.rank = worker.rank()
+        self.world_size = worker.world_size()
+        self.key = f"{_call_index}:{getattr(function, '__qualname__', '?')}"
+        task_id = context.task_id if context is not None else 0
+        self.agreement = _Agreement.open(task_id, _call_index)
+        _call_index += 1
+        resume = None
+        if context is not None:  # a restarted launch resumes where the search left off
+            resume = (context.options.get(RESTART_OPTION) or {}).get(self.key)
+        self.batch_size = int(resume["batch_size"]) if resume else starting
+        self.history: list[dict[str, Any]] = list(resume["history"]) if resume else []
+        if self.agreement is None and self.world_size > 1:
+            # No process group: the ranks cannot agree, so each searches alone and says so.
+            self.world_size = 1
+            self.ranks = [self.rank]
+        else:
+            self.ranks = list(range(self.world_size))
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        while True:
+            if self.batch_size < 1:
+                raise NoExecutableBatchSizeError(no_size_message(self.history))
+            attempt = len(self.history) + 1
+            out_of_memory = ""
+            try:
+                result = self.function(self.batch_size, *args, **kwargs)
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                out_of_memory = _first_line(exc)
+                result = None
+            # Outside the except block, the traceback (and the tensors its frames hold) is gone.
+            if out_of_memory:
+                free_memory()
+            next_size = self._next(self.batch_size) if out_of_memory else None
+            if self.agreement is None:
+                oom_ranks = [self.rank] if out_of_memory else []
+            else:
+                oom_ranks = self.agreement.outcome(
+                    attempt,
+                    bool(out_of_memory),
+                    on_wait=functools.partial(self._waiting, attempt, next_size, out_of_memory),
+                )
+            self._resolve_notice(oom_ranks, next_size)
+            if not oom_ranks:
+                self.history.append({"batch_size": self.batch_size, "oom": []})
+                if _reports() or self.agreement is None:
+                    worker.emit(self._attempt_event("ok", done=True))
+                    worker.emit(_final_event(self.batch_size, self.world_size, self.ranks))
+                return result
+            del result  # a rank that got through must run again at the agreed size
+            free_memory()
+            if next_size is None:
+                next_size = self._next(self.batch_size)
+            self.history.append({"batch_size": self.batch_size, "oom": oom_ranks})
+            if _reports() or self.agreement is None:
+                worker.emit(self._attempt_event("oom", next_size=next_size, attempt=attempt))
+            self.batch_size = next_size
+
+    def _next(self, batch_size: int) -> int:
+        smaller = int(self.reduce(batch_size))
+        if smaller >= batch_size:
+            raise ValueError(
+                f"reduce_batch_size_fn({batch_size}) returned {smaller}; it must return a "
+                "smaller batch size, or the search would never end"
+            )
+        return smaller
+
+    def _waiting(self, attempt: int, next_size: int | None, reason: str) -> None:
+        """Tell the parent this rank ran out of memory and waits for its peers' outcome."""
+        self._told = True
+        worker.emit(
+            {
+                "kind": "progress",
+                "rank": self.rank,
+                "what": "batch_size",
+                "text": (
+                    f"rank {self.rank}: out of memory at batch_size={self.batch_size} "
+                    f"(attempt {attempt}); waiting for the other ranks to finish this attempt"
+                ),
+                "data": {
+                    "status": "waiting",
+                    "key": self.key,
+                    "attempt": attempt,
+                    "batch_size": self.batch_size,
+                    "next_batch_size": next_size,
+                    "history": list(self.history),
+                    "ranks": [self.rank],
+                    "reason": reason,
+                    "done": False,
+                },
+            }
+        )
+
+    def _resolve_notice(self, oom_ranks: list[int], next_size: int | None) -> None:
+        """Replace this rank's "waiting" line once the ranks agreed (rank 0 says the rest)."""
+        if not getattr(self, "_told", False) or _reports():
+            return
+        self._told = False
+        worker.emit(
+            {
+                "kind": "progress",
+                "rank": self.rank,
+                "what": "batch_size",
+                "text": (
+                    f"rank {self.rank}: every rank finished attempt {len(self.history) + 1}; "
+                    f"{_who(oom_ranks, self.world_size)} ran out of memory, "
+                    f"all retry with {next_size}"
+                ),
+                "data": {
+                    "status": "agreed",
+                    "key": self.key,
+                    "attempt": len(self.history) + 1,
+                    "ranks": [self.rank],
+                    "done": False,
+                },
+            }
+        )
+
+    def _attempt_event(
+        self, status: str, *, done: bool = False, next_size: int | None = None, attempt: int = 0
+    ) -> dict[str, Any]:
+        text = render_attempts(self.history, self.world_size)
+        last = self.history[-1]
+        message = ""
+        if status == "oom":
+            message = (
+                f"{_who(last['oom'], self.world_size)}: out of memory at "
+                f"batch_size={last['batch_size']}, retrying with {next_size} "
+                f"(attempt {attempt + 1})"
+            )
+        return {
+            "kind": "progress",
+            "rank": self.rank,
+            "what": "batch_size",
+            "text": text,
+            "data": {
+                "status": status,
+                "key": self.key,
+                "attempt": len(self.history),
+                "batch_size": last["batch_size"],
+                "next_batch_size": next_size,
+                "oom_ranks": last["oom"],
+                "history": list(self.history),
+                "ranks": self.ranks,
+                "message": message,
+                "done": done,
+            },
+        }
+
+
+def _reports() -> bool:
+    """Whether this rank speaks for all after an agreement (rank 0; every rank alone)."""
+    return worker.rank() == 0
+
+
+def _final_event(per_rank: int, world_size: int, ranks: list[int] | None = None) -> dict[str, Any]:
+    # Its own ``what``, so a view that keeps one line per (rank, what) shows both lines.
+    return {
+        "kind": "progress",
+        "rank": worker.rank(),
+        "what": "effective_batch_size",
+        "text": (
+            f"batch {per_rank} per rank x {world_size} rank{'s' if world_size != 1 else ''} "
+            f"= {per_rank * world_size} effective"
+        ),
+        "data": {
+            "status": "final",
+            "per_rank": per_rank,
+            "world_size": world_size,
+            "effective": per_rank * world_size,
+            "ranks": ranks if ranks is not None else list(range(world_size)),
+            "done": True,
+        },
+    }
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _who(ranks: list[int], world_size: int) -> str:
+    if world_size > 1 and len(ranks) == world_size:
+        return "all ranks"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def render_attempts(history: list[dict[str, Any]], world_size: int) -> str:
+    """``128 x (rank 1: out of memory) -> 64 x -> 32 ok`` from a search's attempts.
+
+    Who ran out of memory is named when it changes from the attempt before; a restart of every
+    rank is noted on the attempt that caused it.
+    """
+    parts = []
+    previous: list[int] | None = None
+    for entry in history:
+        if not entry["oom"]:
+            parts.append(f"{entry['batch_size']} ok")
+            continue
+        notes = []
+        if entry["oom"] != previous:
+            notes.append(f"{_who(entry['oom'], world_size)}: out of memory")
+        if entry.get("restarted"):
+            notes.append("all ranks restarted")
+        previous = entry["oom"]
+        parts.append(f"{entry['batch_size']} x" + (f" ({'; '.join(notes)})" if notes else ""))
+    return " -> ".join(parts)
+
+
+def no_size_message(history: list[dict[str, Any]]) -> str:
+    sizes = ", ".join(str(entry["batch_size"]) for entry in history) or "none"
+    return (
+        f"no batch size fits in memory: tried {sizes}, and every one ran out of memory on at "
+        "least one rank. Make the model or the inputs smaller (shorter sequences, lower "
+        "precision, gradient checkpointing), or use more devices"
+    )
+
+
+class _Agreement:
+    """Every rank's outcome of an attempt, exchanged through the process group's store.
+
+    A key-value store rather than a collective: a collective here could pair up with a
+    collective that a peer is still blocked in from the attempt itself, mixing attempts.
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, world_size: int) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    def open(cls, task_id: int, call_index: int) -> _Agreement | None:
+        """The agreement for one search, or None when this process is alone."""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"nblaunch/batch_size/{task_id}/{call_index}"
+        return cls(store, prefix, dist.get_rank(), dist.get_world_size())
+
+    def outcome(self, attempt: int, out_of_memory: bool, on_wait: Callable[[], None]) -> list[int]:
+        """Record this rank's outcome; wait for all; return the ranks that ran out of memory."""
+        base = f"{self.prefix}/{attempt}"
+        if out_of_memory:  # flags first: once all have arrived, every flag is in place
+            self.store.set(f"{base}/oom/{self.rank}", "1")
+            self.store.add(f"{base}/oom", 1)
+        arrived = self.store.add(f"{base}/arrived", 1)
+        started = time.monotonic()
+        delay = 0.001
+        told = False
+        while arrived < self.world_size:
+            if out_of_memory and not told and time.monotonic() - started > WAIT_NOTICE_S:
+                on_wait()
+                told = True
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            arrived = self.store.add(f"{base}/arrived", 0)
+        if self.store.add(f"{base}/oom", 0) == 0:
+            return []
+        return [r for r in range(self.world_size) if self.store.check([f"{base}/oom/{r}"])]
+
+
+# --- parent side: restarting ranks blocked by a peer's out-of-memory ----------------------------
+
+
+class BatchSizeMonitor:
+    """Restarts every rank at the smaller size when a peer's out-of-memory left them blocked.
+
+    A rank that ran out of memory waits for its peers' outcome; a peer blocked in a collective
+    of the same attempt waits for that rank; neither can move. The monitor sees the first
+    rank's "waiting" progress and the others' heartbeats (inside a collective), or no word
+    from them for a while, and asks the launcher for a restart (a root of kind ``"restart"``
+    whose ``options`` go into every rank's setup).
+    """
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+        self.world_size = plan.world_size
+        self._waiting: dict[int, dict[str, Any]] = {}
+        self._in_collective: dict[int, int] = {}
+        self._where: dict[int, str] = {}
+        self._heard: dict[int, float] = {}
+
+    def on_event(self, run: Any, event: dict[str, Any]) -> None:
+        kind = event["kind"]
+        rank = event.get("rank")
+        if kind == "progress" and event.get("what") == "batch_size":
+            data = event.get("data") or {}
+            if data.get("status") == "waiting":
+                self._waiting[rank] = {**data, "since": time.monotonic()}
+                self._in_collective.clear()
+            elif data.get("status") in ("oom", "ok", "agreed"):  # an agreement completed
+                self._waiting = {
+                    r: w
+                    for r, w in self._waiting.items()
+                    if w["key"] != data.get("key") or w["attempt"] > data.get("attempt", 0)
+                }
+        elif kind == "heartbeat" and self._waiting and rank not in self._waiting:
+            self._heard[rank] = time.monotonic()
+            if event.get("collective"):
+                self._in_collective[rank] = self._in_collective.get(rank, 0) + 1
+                self._where[rank] = f"{event['collective']} ({event.get('where', '')})"
+            else:
+                self._in_collective[rank] = 0
+
+    def check(self, run: Any) -> dict[str, Any] | None:
+        if not self._waiting or run.outcome.failures:
+            return None  # a rank's own failure is the root cause; the launcher reports it
+        outside = [r for r in range(self.world_size) if r not in run.task_ranks]
+        returned = [r for r in run.outcome.results if r not in self._waiting]
+        if outside or returned:  # ranks that will never take part in the agreement
+            return self._never_agree(outside, returned)
+        since = min(w["since"] for w in self._waiting.values())
+        others = [
+            r
+            for r in range(self.world_size)
+            if r not in self._waiting and r not in run.outcome.finished
+        ]
+        if not others:
+            return None  # everyone is in the agreement, or gone (the launcher handles that)
+        now = time.monotonic()
+        for rank in others:
+            if self._in_collective.get(rank, 0) >= STUCK_HEARTBEATS:
+                continue
+            silent = self._heard.get(rank, 0.0) < since
+            if silent and now - since > STUCK_WITHOUT_HEARTBEAT_S:
+                continue
+            return None  # this peer may still be working towards the agreement
+        return self._restart(others)
+
+    def _never_agree(self, outside: list[int], returned: list[int]) -> dict[str, Any]:
+        from nblaunch.errors import DistributedHangError
+
+        rank = min(self._waiting)
+        if outside:
+            why = (
+                f"rank(s) {', '.join(map(str, outside))}, which do not run this task: ranks "
+                "agree on each attempt, so run it on every rank of the process group"
+            )
+        else:
+            why = (
+                f"rank(s) {', '.join(map(str, returned))}, which returned without calling it: "
+                "every rank must call the decorated function the same number of times"
+            )
+        message = f"find_executable_batch_size on rank {rank} waits for {why}"
+        self._waiting.clear()
+        return {
+            "kind": "batch_size",
+            "rank": rank,
+            "message": message,
+            "secondary": False,
+            "exception": DistributedHangError(message),
+            "title": "find_executable_batch_size not called on every rank",
+        }
+
+    def _restart(self, blocked: list[int]) -> dict[str, Any]:
+        from nblaunch.errors import DistributedHangError
+
+        notice = min(self._waiting.values(), key=lambda w: w["attempt"])
+        oom_ranks = sorted(self._waiting)
+        history = [
+            *notice["history"],
+            {"batch_size": notice["batch_size"], "oom": oom_ranks, "restarted": True},
+        ]
+        next_size = notice["next_batch_size"]
+        blocked_words = ", ".join(
+            f"rank {r} in {self._where[r]}" if r in self._where else f"rank {r}" for r in blocked
+        )
+        rank = oom_ranks[0]
+        restarts = sum(1 for entry in history if entry.get("restarted"))
+        if next_size is None or next_size < 1 or restarts > MAX_RESTARTS:
+            message = (
+                no_size_message(history)
+                if restarts <= MAX_RESTARTS
+                else f"gave up after {MAX_RESTARTS} restarts: {render_attempts(history, 2)}"
+            )
+            exc: BaseException = NoExecutableBatchSizeError(message)
+            if restarts > MAX_RESTARTS:
+                exc = DistributedHangError(message)
+            return {
+                "kind": "batch_size",
+                "rank": rank,
+                "message": message,
+                "secondary": False,
+                "exception": exc,
+                "title": f"rank {rank}: out of memory at every batch size",
+            }
+        cause = (
+            f"{_who(oom_ranks, self.world_size)}: out of memory at batch_size="
+            f"{notice['batch_size']} while {blocked_words} waited for it"
+        )
+        message = f"{cause}; restarting all {self.world_size} ranks at batch_size={next_size}"
+        self._waiting.clear()
+        self._in_collective.clear()
+        return {
+            "kind": "restart",
+            "rank": rank,
+            "message": message,
+            "secondary": False,
+            # For a caller that cannot restart ranks (a persistent pool): what to raise instead.
+            "exception": DistributedHangError(
+                f"{cause}. The ranks cannot be restarted here: run again with "
+                f"starting_batch_size={next_size}"
+            ),
+            "title": f"rank {rank}: out of memory while its peers waited in a collective",
+            "options": {
+                RESTART_OPTION: {notice["key"]: {"batch_size": next_size, "history": history}}
+            },
+            "progress": {
+                "kind": "progress",
+                "rank": rank,
+                "what": "batch_size",
+                "text": f"{render_attempts(history, self.world_size)} -> {next_size} ...",
+                "data": {
+                    "status": "restart",
+                    "key": notice["key"],
+                    "attempt": len(history),
+                    "batch_size": notice["batch_size"],
+                    "next_batch_size": next_size,
+                    "oom_ranks": oom_ranks,
+                    "blocked_ranks": blocked,
+                    "history": history,
+                    "ranks": list(range(self.world_size)),
+                    "message": message,
+                    "done": False,
+                },
+            },
+        }
