@@ -77,6 +77,8 @@ class Heartbeat(TypedDict):
     busy_s: float  # total seconds of the task so far
     last_output: float  # time.time() of the last write to stdout/stderr
     stack: str  # formatted stack of every thread, for hang reports
+    seq: int | None  # collectives issued on the default process group so far, when known
+    still_s: float  # seconds since the main thread last made visible progress
 
 
 class Failure(TypedDict):

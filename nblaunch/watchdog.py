@@ -1,0 +1,827 @@
+"""Heartbeats from the ranks, and hang and straggler diagnosis in the notebook.
+
+Rank side
+    Every task runs with a daemon thread (:class:`HeartbeatThread`) that looks at the task's
+    thread about twenty times a second through ``sys._current_frames()``: which user line it is
+    on, and whether it sits inside a ``torch.distributed`` call (recognised from the stack alone,
+    nothing is patched). From those samples it adds up the time spent waiting in collectives, and
+    once a second it sends a ``Heartbeat``: where the rank is, the collective it is in, how many
+    collectives it has issued (the process group's sequence number), how long it has been still,
+    and a formatted stack of every thread.
+
+Parent side
+    :class:`HangMonitor` reads the heartbeats and stops a run that can never finish, with a
+    :class:`~nblaunch.errors.DistributedHangError` that names the rank and line:
+
+    * a rank returned while another waits in a collective it never called (ranks left a loop at
+      different steps): reported about a second after the rank returned;
+    * nothing moved on any rank for ``hang_timeout`` seconds while ranks wait in collectives:
+      every rank's position and stack, and the rank outside any collective that the others wait
+      for, if there is one.
+
+    Ranks that wait for a while are marked ``STALLED`` in the view first, and a rank that makes
+    the others wait (a straggler) is named in an info ``Diagnosis``, live and at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from nblaunch.errors import DistributedHangError
+from nblaunch.events import Diagnosis, Heartbeat, RunState
+from nblaunch.worker import RankContext, add_task_hook, emit
+
+if TYPE_CHECKING:
+    from nblaunch.launcher import LaunchPlan, Run
+
+# Rank side: how often the task's thread is sampled, and how often a heartbeat is sent.
+SAMPLE_INTERVAL_S = 0.05
+HEARTBEAT_INTERVAL_S = 1.0
+# A thread that used this share of a core between heartbeats is computing, not stuck.
+BUSY_CPU_SHARE = 0.05
+# Longest stack text a heartbeat carries (a deep stack of many threads is cut).
+MAX_STACK_CHARS = 20_000
+
+# Parent side: a rank returned while another waits in a collective. With sequence numbers the
+# hang is certain and is reported this long after the return; without, the waiting rank must
+# have been still this long after it.
+FINISHED_GRACE_S = 1.0
+FINISHED_GRACE_UNSURE_S = 2.0
+# Mark a rank STALLED after it waited this long in one collective (or hang_timeout / 2).
+STALL_AFTER_S = 5.0
+# A rank without a heartbeat for this long is reported as silent.
+SILENT_AFTER_S = 5.0
+# Straggler: the others wait at least this share of the time more than the slowest rank, and
+# every rank has run at least this long.
+STRAGGLER_MIN_EXCESS = 0.2
+STRAGGLER_MIN_BUSY_S = 2.0
+STRAGGLER_CHECK_S = 2.0
+
+_C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+_NBLAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
+_STDLIB_DIRS = tuple(
+    {os.path.realpath(sysconfig.get_paths()[name]) for name in ("stdlib", "platstdlib")}
+)
+_LIBRARY_DIRS = tuple(
+    {os.path.realpath(sysconfig.get_paths()[name]) for name in ("purelib", "platlib")}
+)
+
+
+# --- reading a stack -----------------------------------------------------------------------------
+
+# Kinds of source file, from the point of view of "where is the user's code".
+_USER, _LIBRARY, _TORCH, _C10D, _INTERNAL = range(5)
+_kinds: dict[str, int] = {}
+
+
+def _file_kind(filename: str) -> int:
+    kind = _kinds.get(filename)
+    if kind is None:
+        kind = _classify(filename)
+        _kinds[filename] = kind
+    return kind
+
+
+def _classify(filename: str) -> int:
+    if filename.endswith(_C10D_FILE):
+        return _C10D
+    if filename.startswith("<") and not filename.startswith("<frozen"):
+        return _USER  # notebook cells, <dynamic-code>, <string>
+    path = os.path.realpath(filename) if not filename.startswith("<") else filename
+    if filename.startswith("<frozen") or path.startswith(_NBLAUNCH_DIR):
+        return _INTERNAL
+    if f"{os.sep}torch{os.sep}" in path:
+        return _TORCH
+    if path.startswith(_LIBRARY_DIRS) or "site-packages" in path or "dist-packages" in path:
+        return _LIBRARY
+    if path.startswith(_STDLIB_DIRS):
+        return _INTERNAL
+    return _USER
+
+
+def _is_collective_name(name: str) -> bool:
+    # Public entry points of distributed_c10d that wait for peers; queries like get_rank() and
+    # the local teardown return at once.
+    return not name.startswith(("_", "get_", "is_")) and name != "destroy_process_group"
+
+
+@dataclass
+class Position:
+    """Where a thread is, read from its stack."""
+
+    where: str  # innermost user frame, "file.py:12 in train"
+    collective: str | None  # outermost torch.distributed call on the stack, e.g. "all_reduce"
+    signature: tuple[tuple[int, int], ...]  # (code id, instruction) of every frame
+
+
+def read_position(frame: FrameType | None, previous: Position | None = None) -> Position:
+    """Find the user's line and the ``torch.distributed`` call (if any) on a stack.
+
+    The user's line is the innermost frame outside the standard library, nblaunch and torch;
+    library code counts only when no user frame exists (a function imported from a package).
+    When the stack is the one ``previous`` was read from, ``previous`` is returned: a stack
+    that did not move is recognised at the cost of one walk over it.
+    """
+    frames = []
+    signature = []
+    while frame is not None:
+        frames.append(frame)
+        signature.append((id(frame.f_code), frame.f_lasti))
+        frame = frame.f_back
+    key = tuple(signature)
+    if previous is not None and previous.signature == key:
+        return previous
+    collective = None
+    user = library = None
+    for frame in frames:
+        code = frame.f_code
+        kind = _file_kind(code.co_filename)
+        if kind == _C10D and _is_collective_name(code.co_name):
+            collective = code.co_name  # keep going: the outermost one is what the user called
+        elif kind == _USER and user is None:
+            user = frame
+        elif kind == _LIBRARY and library is None:
+            library = frame
+    shown = user or library or (frames[0] if frames else None)
+    where = "" if shown is None else describe_frame(shown)
+    return Position(where, collective, key)
+
+
+def describe_frame(frame: FrameType) -> str:
+    """``"path:line in function"``, the path relative to the working directory when inside it."""
+    return f"{_short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+_short_paths: dict[str, str] = {}
+
+
+def _short_path(filename: str) -> str:
+    short = _short_paths.get(filename)
+    if short is None:
+        short = filename
+        with contextlib.suppress(ValueError):
+            relative = os.path.relpath(filename)
+            if not relative.startswith(".."):
+                short = relative
+        _short_paths[filename] = short
+    return short
+
+
+def format_stacks(frames: dict[int, FrameType], main_ident: int) -> str:
+    """Every thread's Python stack, task thread first, like faulthandler but with source lines.
+
+    Threads blocked in C show the Python frames that led there. nblaunch's own threads and the
+    frames that lead from the process start to the task are left out.
+    """
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident in sorted(frames, key=lambda i: i != main_ident):
+        name = names.get(ident, f"thread {ident}")
+        if name.startswith("nblaunch-"):
+            continue
+        summary = traceback.extract_stack(frames[ident])
+        if ident == main_ident:
+            summary = _from_task_start(summary)
+        label = "task thread" if ident == main_ident else "thread"
+        parts.append(
+            f'{label} "{name}" (most recent call last):\n' + "".join(summary.format()).rstrip()
+        )
+    text = "\n".join(parts)
+    if len(text) > MAX_STACK_CHARS:
+        text = text[:MAX_STACK_CHARS] + "\n... (cut)"
+    return text
+
+
+def _from_task_start(summary: traceback.StackSummary) -> traceback.StackSummary:
+    """Drop the leading frames (process bootstrap, nblaunch's task loop) above the user's code."""
+    start = next(
+        (i for i, entry in enumerate(summary) if entry.filename.startswith(_NBLAUNCH_DIR)), None
+    )
+    if start is None:
+        return summary
+    for index in range(start, len(summary)):
+        if _file_kind(summary[index].filename) != _INTERNAL:
+            return traceback.StackSummary.from_list(summary[index:])
+    return summary
+
+
+def collective_sequence() -> int | None:
+    """How many collectives this rank issued on the default process group, when torch knows.
+
+    The count is taken when a collective is issued, so a rank waiting in its 5th collective
+    reports 5. ``None`` without an initialised process group or with a backend that does not
+    count.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    try:
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        group = dist.distributed_c10d._get_default_group()
+        return int(group._get_sequence_number_for_group())
+    except Exception:
+        return None
+
+
+# --- rank side: the heartbeat thread --------------------------------------------------------------
+
+
+class _OutputClock:
+    """Remembers when the rank last wrote to ``sys.stdout``/``sys.stderr`` (Python-level writes).
+
+    Output written by C code does not pass here; the parent sees that from its pipes.
+    """
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self._wrapped: list[tuple[Any, Any]] = []
+
+    def install(self) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            original = getattr(stream, "write", None)
+            if original is None or "write" in getattr(stream, "__dict__", {}):
+                continue
+            try:
+                stream.write = self._timed(original)
+            except (AttributeError, TypeError):
+                continue
+            self._wrapped.append((stream, original))
+
+    def _timed(self, write: Callable[[str], int]) -> Callable[[str], int]:
+        def timed_write(text: str) -> int:
+            self.last = time.time()
+            return write(text)
+
+        return timed_write
+
+    def remove(self) -> None:
+        for stream, _ in self._wrapped:
+            with contextlib.suppress(AttributeError):
+                del stream.write
+        self._wrapped.clear()
+
+
+class HeartbeatThread:
+    """Samples one thread's stack and sends a ``Heartbeat`` about once a second.
+
+    Parameters
+    ----------
+    rank
+        The rank the heartbeats are for.
+    send
+        Where heartbeats go (``nblaunch.worker.emit`` in a rank).
+    target
+        Ident of the thread to watch; default the thread that creates this object.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        send: Callable[[Heartbeat], None] = emit,
+        *,
+        target: int | None = None,
+        sample_interval: float = SAMPLE_INTERVAL_S,
+        interval: float = HEARTBEAT_INTERVAL_S,
+    ) -> None:
+        self.rank = rank
+        self.send = send
+        self.target = target if target is not None else threading.get_ident()
+        self.sample_interval = sample_interval
+        self.interval = interval
+        self.wait_s = 0.0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nblaunch-heartbeat", daemon=True)
+        self._output = _OutputClock()
+        self._cpu_clock = _thread_cpu_clock(self.target)
+        self._started = self._last_sample = self._last_moved = time.monotonic()
+        self._position = Position("", None, ())
+        self._seq: int | None = None
+        self._cpu = self._cpu_time()
+        self._checked_at = self._started  # when the last heartbeat looked at seq, CPU, output
+        self._beat_output = 0.0
+        self._last_beat = self._started
+
+    def start(self) -> None:
+        self._output.install()
+        self._seq = collective_sequence()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop sampling and send a last heartbeat with the final counts."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+        self._output.remove()
+        with contextlib.suppress(Exception):
+            self.send(self._heartbeat(time.monotonic(), final=True))
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.sample_interval):
+                now = time.monotonic()
+                self.sample(now)
+                if now - self._last_beat >= self.interval:
+                    self._last_beat = now
+                    self.send(self._heartbeat(now))
+        except Exception:
+            pass  # the parent went away (broken pipe): nothing left to report to
+
+    def sample(self, now: float) -> None:
+        """Look at the target thread once; add the time since the last sample to its state."""
+        frame = sys._current_frames().get(self.target)
+        position = read_position(frame, self._position)
+        del frame  # keep no frame (and its locals) alive between samples
+        if position.collective is not None:
+            self.wait_s += now - self._last_sample
+        if position.signature != self._position.signature:
+            self._last_moved = now
+        self._last_sample = now
+        self._position = position
+        self.samples += 1
+
+    def _heartbeat(self, now: float, *, final: bool = False) -> Heartbeat:
+        seq = collective_sequence()
+        cpu = self._cpu_time()
+        busy_cpu = cpu - self._cpu > BUSY_CPU_SHARE * max(now - self._checked_at, 1e-3)
+        output = self._output.last
+        # Between two samples the thread may have moved and come back; these catch that: a new
+        # collective issued, output written, or real computing outside collectives.
+        if seq != self._seq:  # issued between two beats: still at most since the last beat
+            self._last_moved = max(self._last_moved, self._checked_at)
+        if output != self._beat_output:
+            self._last_moved = max(self._last_moved, now - max(0.0, time.time() - output))
+        if busy_cpu and self._position.collective is None:
+            self._last_moved = now
+        self._seq, self._cpu, self._checked_at, self._beat_output = seq, cpu, now, output
+        position = self._position
+        stack = ""
+        if not final:
+            frames = sys._current_frames()
+            try:
+                stack = format_stacks(frames, self.target)
+            finally:
+                del frames
+        return {
+            "kind": "heartbeat",
+            "rank": self.rank,
+            "where": position.where,
+            "collective": None if final else position.collective,
+            "wait_s": self.wait_s,
+            "busy_s": now - self._started,
+            "last_output": output,
+            "stack": stack,
+            "seq": seq,
+            "still_s": 0.0 if final else now - self._last_moved,
+        }
+
+    def _cpu_time(self) -> float:
+        if self._cpu_clock is not None:
+            with contextlib.suppress(OSError):
+                return time.clock_gettime(self._cpu_clock)
+        return time.process_time()
+
+
+def _thread_cpu_clock(ident: int) -> int | None:
+    try:
+        return time.pthread_getcpuclockid(ident)
+    except (AttributeError, OSError):
+        return None
+
+
+@contextlib.contextmanager
+def heartbeats(context: RankContext) -> Iterator[HeartbeatThread]:
+    """Send heartbeats while a task runs (registered as a task hook in every rank)."""
+    beat = HeartbeatThread(context.rank)
+    beat.start()
+    try:
+        yield beat
+    finally:
+        beat.stop()
+
+
+add_task_hook(heartbeats)
+
+
+# --- parent side: the monitor ---------------------------------------------------------------------
+
+
+@dataclass
+class _Beat:
+    event: Heartbeat
+    received: float  # time.monotonic() in the parent
+
+    @property
+    def in_collective(self) -> bool:
+        return self.event["collective"] is not None
+
+    def position(self) -> str:
+        event = self.event
+        if event["collective"]:
+            number = f" (collective #{event['seq']})" if event["seq"] else ""
+            return f"in {event['collective']}{number} at {event['where']}"
+        return f"at {event['where']} (outside any collective)"
+
+
+class HangMonitor:
+    """Stops runs whose ranks wait in collectives that can never complete; names stragglers.
+
+    A ``Monitor`` for :class:`nblaunch.launcher.Run`: ``on_event`` sees every rank event,
+    ``check`` is called about 20 times a second and returns a root cause to stop the run.
+
+    Parameters
+    ----------
+    plan
+        The launch plan: world size, ``hang_timeout`` (``None``: only the certain case, a rank
+        that returned while others wait, is reported) and debug mode.
+    """
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.world_size = plan.world_size
+        self.hang_timeout = plan.hang_timeout
+        self.beats: dict[int, _Beat] = {}
+        self.returned: dict[int, float] = {}  # rank -> when its Result arrived
+        self.final_seq: dict[int, int | None] = {}
+        self.stalled: set[int] = set()
+        self.straggler: tuple[int, float] | None = None
+        self._straggler_checked = 0.0
+        self._published_straggler: int | None = None
+        self._done = False
+        stall = STALL_AFTER_S
+        if self.hang_timeout is not None:
+            stall = min(stall, self.hang_timeout / 2)
+        self.stall_after = stall
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def on_event(self, run: Run, event: dict[str, Any]) -> None:
+        kind = event["kind"]
+        if kind == "heartbeat":
+            self.beats[event["rank"]] = _Beat(event, time.monotonic())  # type: ignore[arg-type]
+        elif kind == "result":
+            rank = event["rank"]
+            self.returned[rank] = time.monotonic()
+            beat = self.beats.get(rank)
+            self.final_seq[rank] = beat.event["seq"] if beat else None
+            self._unstall(run, rank)
+            if all(r in self.returned for r in self.beats):  # every rank of the task returned
+                self._publish_straggler(run, final=True)
+
+    def check(self, run: Run) -> dict[str, Any] | None:
+        if self._done:
+            return None
+        now = time.monotonic()
+        self._mark_stalls(run, now)
+        # A stalled rank is the stronger signal; a straggler report would only distract.
+        if not self.stalled and now - self._straggler_checked >= STRAGGLER_CHECK_S:
+            self._straggler_checked = now
+            self._publish_straggler(run, final=False)
+        root = self._returned_while_waiting(run, now) or self._no_progress(run, now)
+        if root is not None:
+            self._done = True
+        return root
+
+    # --- the pieces ------------------------------------------------------------------------------
+
+    def _running(self, run: Run) -> list[int]:
+        """Ranks running a task: they sent heartbeats and have not finished. A rank without
+        heartbeats takes no part (a persistent pool may run a cell on some ranks only)."""
+        finished = run.outcome.finished
+        return sorted(r for r in self.beats if r not in self.returned and r not in finished)
+
+    def _still_since(self, run: Run, rank: int, now: float) -> float | None:
+        """Parent time since which ``rank`` has not moved, or None when it never reported."""
+        beat = self.beats.get(rank)
+        if beat is None:
+            return None
+        since = beat.received - beat.event["still_s"]
+        relay = getattr(run, "relay", None)
+        last_output = relay.last_output.get(rank) if relay is not None else None
+        if last_output:  # any output (C-level too) counts as progress
+            since = max(since, now - max(0.0, time.time() - last_output))
+        return since
+
+    def _known_still(self, run: Run, rank: int, now: float) -> float | None:
+        """How long ``rank`` is known to have been still: up to its last heartbeat, or up to
+        now when its heartbeats stopped (a task thread holding the GIL, a stopped process)."""
+        since = self._still_since(run, rank, now)
+        if since is None:
+            return None
+        beat = self.beats[rank]
+        until = now if now - beat.received >= SILENT_AFTER_S else beat.received
+        return until - since
+
+    def _mark_stalls(self, run: Run, now: float) -> None:
+        for rank in self._running(run):
+            beat = self.beats.get(rank)
+            since = self._still_since(run, rank, now)
+            waiting = beat is not None and beat.in_collective and since is not None
+            if waiting and now - since >= self.stall_after:
+                self._stall(run, rank, beat)
+            elif rank in self.stalled:
+                self._unstall(run, rank)
+
+    def _stall(self, run: Run, rank: int, beat: _Beat) -> None:
+        if rank in self.stalled or run.states.get(rank) != RunState.RUNNING:
+            return
+        self.stalled.add(rank)
+        detail = cell_names(f"waiting in {beat.event['collective']} at {beat.event['where']}")
+        run.set_state(rank, RunState.STALLED, detail)
+
+    def _unstall(self, run: Run, rank: int) -> None:
+        if rank in self.stalled:
+            self.stalled.discard(rank)
+            if run.states.get(rank) == RunState.STALLED:
+                run.set_state(rank, RunState.RUNNING)
+
+    def _returned_while_waiting(self, run: Run, now: float) -> dict[str, Any] | None:
+        """A rank returned; another waits in a collective the returned rank never called."""
+        if not self.returned:
+            return None
+        last_return = max(self.returned.values())
+        waiting: list[int] = []
+        for rank in self._running(run):
+            beat = self.beats.get(rank)
+            if beat is None or not beat.in_collective or beat.received <= last_return:
+                continue
+            seq = beat.event["seq"]
+            finals = [self.final_seq.get(r) for r in self.returned]
+            if seq is not None and all(s is not None for s in finals):
+                # Sequence numbers tell for sure: the returned ranks never issued this one.
+                if seq > min(finals) and now - last_return >= FINISHED_GRACE_S:  # type: ignore[type-var]
+                    waiting.append(rank)
+            else:
+                since = self._still_since(run, rank, now)
+                if (
+                    since is not None
+                    and since <= last_return
+                    and now - last_return >= FINISHED_GRACE_UNSURE_S
+                ):
+                    waiting.append(rank)
+        if not waiting:
+            return None
+        for rank in waiting:
+            self._stall(run, rank, self.beats[rank])
+        returned = sorted(self.returned, key=self.returned.get)  # type: ignore[arg-type]
+        first = returned[0]
+        n = self.world_size
+        done_text = ", ".join(
+            f"rank {r} returned after {self._count(self.final_seq.get(r))}" for r in returned
+        )
+        wait_text = "; ".join(
+            f"rank {r} waits {self.beats[r].position()} "
+            f"for {now - (self._still_since(run, r, now) or now):.1f} s"
+            for r in waiting
+        )
+        headline = (
+            f"rank {first} of {n} returned while {_rank_words(waiting)} "
+            f"{'waits' if len(waiting) == 1 else 'wait'} in a collective it never called"
+        )
+        message = (
+            f"{headline}: {done_text}; {wait_text}.\n"
+            "Ranks left the loop at different steps (early stopping, a `break`, or uneven data "
+            "on one rank): every rank must call the same collectives. Decide together: call "
+            "set_trigger() on the rank that wants to stop and `if check_trigger(): break` on "
+            "every rank."
+        )
+        return self._root(run, first, headline, message, now)
+
+    def _no_progress(self, run: Run, now: float) -> dict[str, Any] | None:
+        """Nothing moved for ``hang_timeout`` seconds and some rank waits in a collective."""
+        if self.hang_timeout is None:
+            return None
+        running = self._running(run)
+        if not running:
+            return None
+        last_return = max(self.returned.values(), default=float("-inf"))
+        stills: dict[int, float] = {}
+        for rank in running:
+            beat = self.beats[rank]
+            if beat.received <= last_return and now - beat.received < SILENT_AFTER_S:
+                return None  # a rank returned since: its peers may be on their way out too
+            still = self._known_still(run, rank, now)
+            if still is None or still < self.hang_timeout:
+                return None
+            stills[rank] = still
+        waiting = [r for r in running if self.beats[r].in_collective]
+        if not waiting:
+            return None  # no collective involved: a long computation, not a distributed hang
+        outside = [r for r in running if r not in waiting]
+        for rank in waiting:
+            self._stall(run, rank, self.beats[rank])
+        n = self.world_size
+        timeout = f"{self.hang_timeout:g}"
+        lines = [f"  rank {r}: {self._describe(r, now, stills[r])}" for r in running]
+        lines += [
+            f"  rank {r}: returned after {self._count(self.final_seq.get(r))}"
+            for r in sorted(self.returned)
+        ]
+        if outside:
+            culprit = outside[0]
+            headline = (
+                f"rank {culprit} of {n} is stuck at {self.beats[culprit].event['where']} "
+                f"outside any collective, while {_rank_words(waiting)} "
+                f"{'waits' if len(waiting) == 1 else 'wait'} for it"
+            )
+            why = (
+                f"Nothing moved for {timeout} s (hang_timeout). The waiting ranks are in a "
+                f"collective that {_rank_words(outside)} never reached: a rank blocked in I/O, "
+                "a lock, a sleep or a loop that does not end, or a collective skipped on one "
+                "rank under an `if`."
+            )
+        else:
+            culprit = min(waiting)
+            headline = (
+                f"{_rank_words(waiting)} of {n} waited in collectives for {timeout} s with "
+                "no progress"
+            )
+            why = f"Nothing moved for {timeout} s (hang_timeout). " + self._mismatch(waiting)
+        # The launcher adds the debug-mode hint (debug=True) to every error that happened
+        # inside a collective while debug mode was off.
+        why += " Pass a larger hang_timeout= if the ranks were only slow."
+        message = f"{headline}.\n" + "\n".join(lines) + "\n" + why
+        return self._root(run, culprit, headline, message, now)
+
+    def _mismatch(self, waiting: list[int]) -> str:
+        names = {self.beats[r].event["collective"] for r in waiting}
+        seqs = {self.beats[r].event["seq"] for r in waiting}
+        if len(names) > 1:
+            return (
+                "The ranks wait in different collectives: they called collectives in a "
+                "different order or a different number of times."
+            )
+        if len(seqs) > 1 and None not in seqs:
+            return (
+                "The ranks wait in different calls of the same collective (see their collective "
+                "numbers): one rank called it more times than another."
+            )
+        return (
+            "All ranks wait in the same collective: check that they pass tensors of the same "
+            "shape and dtype, and that no peer process is blocked outside Python."
+        )
+
+    def _describe(self, rank: int, now: float, still: float) -> str:
+        beat = self.beats[rank]
+        text = f"{beat.position()}, no progress for {still:.0f} s"
+        silent = now - beat.received
+        if silent >= SILENT_AFTER_S:
+            text += (
+                f"; no heartbeat for {silent:.0f} s (its task thread holds the GIL in C code, "
+                "or the process is stopped)"
+            )
+        return text
+
+    @staticmethod
+    def _count(seq: int | None) -> str:
+        if seq is None:
+            return "its last collective"
+        return f"{seq} collective{'s' if seq != 1 else ''}"
+
+    def _root(self, run: Run, rank: int, headline: str, message: str, now: float) -> dict[str, Any]:
+        stacks = {r: beat.event["stack"] for r, beat in sorted(self.beats.items())}
+        blocks = []
+        for r in self._running(run):
+            beat = self.beats.get(r)
+            if beat is not None and beat.event["stack"]:
+                blocks.append(f"--- rank {r}: {beat.position()} ---\n{beat.event['stack']}")
+        full = message
+        if blocks:
+            full += "\n\nStacks (most recent call last):\n" + "\n\n".join(blocks)
+        headline = cell_names(headline)
+        return {
+            "kind": "hang",
+            "rank": rank,
+            "message": headline,
+            "secondary": False,
+            "exception": DistributedHangError(
+                cell_names(full), stacks={r: cell_names(text) for r, text in stacks.items()}
+            ),
+            "title": headline,
+        }
+
+    # --- stragglers ------------------------------------------------------------------------------
+
+    def _publish_straggler(self, run: Run, *, final: bool) -> None:
+        found = find_straggler(
+            {r: (b.event["wait_s"], b.event["busy_s"]) for r, b in self.beats.items()}
+        )
+        self.straggler = found
+        if found is None:
+            return
+        rank, excess = found
+        if not final and rank == self._published_straggler:
+            return
+        self._published_straggler = rank
+        verb = "was" if final else "is"
+        title = f"rank {rank} {verb} the slowest: the others wait {excess:.0%} of the time for it"
+        shares = "\n".join(
+            f"  rank {r}: waiting in collectives {b.event['wait_s']:.1f} s of "
+            f"{b.event['busy_s']:.1f} s ({_share(b.event['wait_s'], b.event['busy_s']):.0%})"
+            for r, b in sorted(self.beats.items())
+        )
+        body = (
+            f"{shares}\nRank {rank} computes while the others wait for it in collectives: "
+            "a slower device, more data on that rank, or work only that rank does."
+        )
+        diagnosis: Diagnosis = {
+            "kind": "diagnosis",
+            "title": title,
+            "body": body,
+            "severity": "info",
+            "rank": rank,
+            "secondary": [],
+        }
+        run.publish(diagnosis)
+
+
+def find_straggler(stats: dict[int, tuple[float, float]]) -> tuple[int, float] | None:
+    """The rank the others wait for, and how much more of their time they wait than it does.
+
+    Parameters
+    ----------
+    stats
+        Rank -> (seconds waiting inside collectives, seconds of the task so far).
+
+    Returns
+    -------
+    tuple or None
+        ``(rank, excess)`` where ``excess`` is the others' mean waiting share minus the
+        slowest rank's; ``None`` with fewer than two ranks, too little time, or no clear
+        straggler.
+    """
+    if len(stats) < 2 or any(busy < STRAGGLER_MIN_BUSY_S for _, busy in stats.values()):
+        return None
+    shares = {rank: _share(wait, busy) for rank, (wait, busy) in stats.items()}
+    slowest = min(shares, key=shares.get)  # type: ignore[arg-type]
+    others = [share for rank, share in shares.items() if rank != slowest]
+    excess = sum(others) / len(others) - shares[slowest]
+    if excess < STRAGGLER_MIN_EXCESS:
+        return None
+    return slowest, excess
+
+
+def cell_names(text: str) -> str:
+    """Show the notebook's cell files as IPython does ("Cell In[5]") instead of their temp paths.
+
+    Functions defined in a notebook cell carry a file name like ``/tmp/ipykernel_1/123.py``;
+    the kernel running this launch knows which cell each such file holds.
+    """
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    names = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if not names:
+        return text
+    shown = [name for name in names if isinstance(name, str) and name in text]
+    if shown:
+        text = _add_cell_source(text, set(shown))
+    for filename in shown:
+        text = text.replace(filename, f"Cell In[{names[filename]}]")
+    return text
+
+
+_FILE_LINE = re.compile(r'^(\s*)File "(.+)", line (\d+), in ')
+
+
+def _add_cell_source(stack: str, cells: set[str]) -> str:
+    """Put the source line under each frame of a notebook cell: the rank had no copy of the
+    cell's text, the kernel's line cache has it."""
+    import linecache
+
+    lines = stack.split("\n")
+    out = []
+    for index, line in enumerate(lines):
+        out.append(line)
+        match = _FILE_LINE.match(line)
+        if not match or match.group(2) not in cells:
+            continue
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        if following.startswith(match.group(1) + "  ") and not _FILE_LINE.match(following):
+            continue  # the source line is already there
+        source = linecache.getline(match.group(2), int(match.group(3))).strip()
+        if source:
+            out.append(f"{match.group(1)}  {source}")
+    return "\n".join(out)
+
+
+def _share(wait: float, busy: float) -> float:
+    return min(1.0, wait / busy) if busy > 0 else 0.0
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks))
+
+
+def _rank_words(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
