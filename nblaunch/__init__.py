@@ -6,9 +6,30 @@ from nblaunch.errors import (
     LaunchError,
     LaunchTimeoutError,
     NblaunchError,
+    NoExecutableBatchSizeError,
     RankFailedError,
+    RendezvousTimeoutError,
 )
 from nblaunch.launcher import debug_launcher, notebook_launcher
+from nblaunch.logging import get_logger
+from nblaunch.memory import (
+    find_executable_batch_size,
+    free_memory,
+    per_device_batch_size,
+    set_seed,
+)
+from nblaunch.ops import (
+    all_reduce,
+    broadcast,
+    broadcast_object_list,
+    check_trigger,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+    set_trigger,
+)
+from nblaunch.pool import Pool, start_pool
 from nblaunch.worker import device, is_main_process, local_rank, rank, wait_for_everyone, world_size
 
 __version__ = "0.1.0"
@@ -19,13 +40,31 @@ __all__ = [
     "LaunchError",
     "LaunchTimeoutError",
     "NblaunchError",
+    "NoExecutableBatchSizeError",
+    "Pool",
     "RankFailedError",
+    "RendezvousTimeoutError",
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "check_trigger",
     "debug_launcher",
     "device",
+    "find_executable_batch_size",
+    "free_memory",
+    "gather",
+    "gather_object",
+    "get_logger",
     "is_main_process",
     "local_rank",
     "notebook_launcher",
+    "pad_across_processes",
+    "per_device_batch_size",
     "rank",
+    "reduce",
+    "set_seed",
+    "set_trigger",
+    "start_pool",
     "wait_for_everyone",
     "world_size",
 ]

@@ -40,6 +40,8 @@ DEVICE_TYPES = ("cuda", "cpu", "xla")
 SECONDARY_GRACE_S = 3.0
 # After a root cause, how long the other ranks get to stop before SIGKILL.
 STOP_GRACE_S = 2.0
+# Default hang_timeout: how long nothing may move while ranks wait in collectives.
+DEFAULT_HANG_TIMEOUT_S = 300.0
 TRUE_VALUES = ("1", "true", "yes", "on")
 
 
@@ -71,6 +73,8 @@ class LaunchPlan:
     run_dir: Path | None
     device_kind: str
     warnings: list[str] = field(default_factory=list)
+    # Extra settings for in-rank features, e.g. where a restarted batch-size search resumes.
+    options: dict[str, Any] = field(default_factory=dict)
 
     def rank_env(self, rank: int) -> dict[str, str]:
         """The parent's environment plus the torchrun contract for ``rank``."""
@@ -119,7 +123,11 @@ class LaunchPlan:
             "debug": self.debug,
             "launcher_pid": os.getpid(),
             "num_threads": self.threads_per_rank if self.device_type == "cpu" else None,
-            "options": {"log_level": self.log_level, "hang_timeout": self.hang_timeout},
+            "options": {
+                "log_level": self.log_level,
+                "hang_timeout": self.hang_timeout,
+                **self.options,
+            },
         }
 
 
@@ -132,7 +140,7 @@ def notebook_launcher(
     start_method: str = "forkserver",
     debug: bool | None = None,
     log_level: str | None = None,
-    hang_timeout: float | None = None,
+    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
     timeout: float | None = None,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
@@ -140,6 +148,9 @@ def notebook_launcher(
     device_type: str | None = None,
     run_dir: str | os.PathLike[str] | None = None,
     display: str = "auto",
+    num_nodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_timeout: float | None = None,
 ) -> list[Any]:
     """Run ``function(*args, **kwargs)`` on ``num_processes`` ranks and return what each returned.
 
@@ -150,7 +161,8 @@ def notebook_launcher(
     args, kwargs
         Its arguments; everything must pickle (checked before anything starts).
     num_processes
-        Number of ranks. Default: one per visible GPU, else 1 (pass a number for more CPU ranks).
+        Number of ranks (per node, with ``num_nodes``). Default: one per visible GPU, else 1
+        (pass a number for more CPU ranks).
     start_method
         ``"forkserver"`` (default, fast after the first launch), ``"spawn"`` or ``"fork"``.
     debug
@@ -158,8 +170,10 @@ def notebook_launcher(
     log_level
         Level of ``nblaunch.get_logger`` loggers in the ranks (default: ``NBLAUNCH_LOG_LEVEL``).
     hang_timeout
-        Seconds all ranks may sit in collectives without progress before the run is stopped
-        with ``DistributedHangError``; ``None`` for the default.
+        Seconds nothing may move while ranks wait in collectives before the run is stopped
+        with ``DistributedHangError`` (default 300); ``None`` turns this check off. A rank
+        that returned while others wait in a collective it never called is reported at once,
+        whatever this is.
     timeout
         Stop the run after this many seconds (``LaunchTimeoutError``); ``None`` for no limit.
     master_addr, master_port
@@ -172,6 +186,11 @@ def notebook_launcher(
         Where per-rank logs go (default ``.nblaunch/runs/<time>-<id>``).
     display
         ``"auto"`` (widget in a notebook, text elsewhere), ``"widget"``, ``"text"``, ``"none"``.
+    num_nodes, rdzv_endpoint, rdzv_timeout
+        Run on ``num_nodes`` machines, ``num_processes`` ranks on each: this machine hosts the
+        rendezvous on ``rdzv_endpoint`` (``"host:port"``, one of its own addresses) and prints
+        the ``python -m nblaunch join`` command for the other nodes, which must join within
+        ``rdzv_timeout`` seconds (default 600). See :mod:`nblaunch.multinode`.
 
     Returns
     -------
@@ -182,6 +201,8 @@ def notebook_launcher(
     ------
     LaunchError
         Bad arguments, an unpicklable function or argument, a busy port: nothing was started.
+    RendezvousTimeoutError
+        Multi-node: not every node joined within ``rdzv_timeout`` (a ``LaunchError``).
     Exception
         The failing rank's own exception, re-created here with its traceback and a note
         naming the rank.
@@ -192,6 +213,30 @@ def notebook_launcher(
     KeyboardInterrupt
         The launch was interrupted; every rank has been stopped.
     """
+    from nblaunch.pool import refuse_if_running
+
+    refuse_if_running("notebook_launcher")  # a persistent pool holds the devices
+    if num_nodes != 1 or rdzv_endpoint is not None:
+        from nblaunch.multinode import launch_multinode
+
+        return launch_multinode(
+            function,
+            args,
+            num_processes,
+            num_nodes=num_nodes,
+            rdzv_endpoint=rdzv_endpoint,
+            rdzv_timeout=rdzv_timeout,
+            kwargs=kwargs,
+            start_method=start_method,
+            debug=debug,
+            log_level=log_level,
+            hang_timeout=hang_timeout,
+            timeout=timeout,
+            setup_process_group=setup_process_group,
+            device_type=device_type,
+            run_dir=run_dir,
+            display=display,
+        )
     plan = plan_launch(
         function,
         num_processes,
@@ -235,7 +280,7 @@ def plan_launch(
     start_method: str = "forkserver",
     debug: bool | None = None,
     log_level: str | None = None,
-    hang_timeout: float | None = None,
+    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
     timeout: float | None = None,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
@@ -286,6 +331,9 @@ def plan_launch(
         warnings.append(
             f"{num_processes} CPU ranks on {os.cpu_count()} cores: ranks will share cores"
         )
+    from nblaunch.doctor import launch_warnings
+
+    warnings += launch_warnings(device_type, num_processes)  # old kernel, mixed GPUs
     port = _choose_port(master_addr, master_port)
     backend = {"cuda": "nccl", "cpu": "gloo", "xla": "xla"}[device_type]
     return LaunchPlan(
@@ -511,6 +559,10 @@ def make_monitors(plan: LaunchPlan) -> list[Monitor]:
         from nblaunch.watchdog import HangMonitor  # type: ignore[attr-defined]
 
         monitors.append(HangMonitor(plan))
+    with contextlib.suppress(ModuleNotFoundError):
+        from nblaunch.memory import BatchSizeMonitor
+
+        monitors.append(BatchSizeMonitor(plan))
     return monitors
 
 
@@ -543,6 +595,9 @@ class Run:
             self.start()
             self.send_task(payload)
             self._watch()
+            while self._restart_requested():  # e.g. a peer's out-of-memory left ranks blocked
+                self._restart(payload)
+                self._watch()
         except KeyboardInterrupt:
             interrupted = True
             self._stop_on_interrupt()
@@ -653,6 +708,49 @@ class Run:
             self.outcome.finished.add(rank)
             if rank in self.outcome.results:
                 self.set_state(rank, RunState.DONE)
+        elif kind == "progress" and event.get("what") == "batch_size":
+            data = event.get("data") or {}
+            state = RunState.RUNNING if data.get("done") else RunState.RETRYING
+            for each in data.get("ranks", [rank]):  # one rank speaks for all after agreeing
+                if self.states.get(each) in (RunState.RUNNING, RunState.RETRYING):
+                    self.set_state(each, state)
+
+    def _restart_requested(self) -> bool:
+        root = self.outcome.root
+        # Only ranks this node started itself can be started again (not a multi-node run's);
+        # otherwise the request's own exception is raised.
+        return (
+            root is not None and root["kind"] == "restart" and type(self.supervisor) is Supervisor
+        )
+
+    def _restart(self, payload: bytes) -> None:
+        """Stop every rank and start them again with the setup options a monitor asked for.
+
+        ``nblaunch.memory.BatchSizeMonitor`` asks for this when a rank ran out of memory while
+        its peers were blocked in a collective of the same step: only fresh processes, all at
+        the smaller batch size, can go on from there. Output and log files carry on.
+        """
+        request = self.outcome.root
+        assert request is not None and self.relay is not None
+        if request.get("progress"):
+            self.publish(request["progress"])
+        old = self.supervisor
+        old.stop(grace=STOP_GRACE_S)
+        self.relay.drain_output(timeout=1.0)
+        for rank in old.ranks:
+            self.relay.remove(rank)
+        old.close()
+        self.plan.options.update(request.get("options") or {})
+        self.plan.master_port = _choose_port(self.plan.master_addr, None)
+        self.outcome = _Outcome()
+        self.monitors = make_monitors(self.plan)  # fresh processes, fresh observations
+        self.supervisor = Supervisor(self.plan.world_size, self.plan.start_method)
+        self.supervisor.start()
+        for rank in self.supervisor.ranks:
+            self.relay.add(rank)
+            self.set_state(rank.rank, RunState.STARTING, request["message"])
+            self.supervisor.send(rank, self.plan.setup_message(rank.rank))
+        self.send_task(payload)
 
     def _on_death(self, rank: int, exitcode: int | None) -> None:
         words, signum = errors.describe_exit(exitcode)
@@ -708,6 +806,9 @@ class Run:
         ok = len(self.outcome.results) == self.plan.world_size
         try:
             if ok:
+                # The watch loop ends at the last Result; that rank's Finished may not be read yet.
+                for rank in sorted(self.outcome.results):
+                    self.set_state(rank, RunState.DONE)
                 for rank in supervisor.ranks:
                     supervisor.send(rank, {"kind": STOP})
                 self._relay_until_exited(timeout=5.0)
@@ -733,10 +834,13 @@ class Run:
 
     def _relay_until_exited(self, timeout: float) -> None:
         """Keep reading output while ranks shut down, so none blocks on a full pipe."""
+        from multiprocessing.connection import wait
+
         deadline = time.monotonic() + timeout
-        while self.supervisor.alive() and time.monotonic() < deadline:
+        while (alive := self.supervisor.alive()) and time.monotonic() < deadline:
             if self.relay is not None:
-                self.relay.poll(0.02)
+                self.relay.poll(0)
+            wait([rank.process.sentinel for rank in alive], timeout=0.01)
             self.supervisor.reap()
 
     def _run_ended(self, ok: bool) -> Event:
@@ -807,6 +911,9 @@ class Run:
                     "secondary": others,
                 }
             )
+            hint = self._debug_hint(root, exc)
+            if hint:
+                add_note(exc, hint)
             return exc
         if root["kind"] == "timeout":
             return LaunchTimeoutError(root["message"], rank=rank, world_size=n)
@@ -825,6 +932,9 @@ class Run:
             note += " (it looks like a consequence of a peer's failure; no other cause was seen)"
         if others:
             note += "\nOther ranks:\n" + "\n".join(f"  {line}" for line in others)
+        hint = self._debug_hint(root, exc)
+        if hint:
+            note += f"\n{hint}"
         add_note(exc, note)
         self.publish(
             {
@@ -837,6 +947,19 @@ class Run:
             }
         )
         return exc
+
+    def _debug_hint(self, root: dict[str, Any], exc: BaseException) -> str:
+        """Suggest debug mode when a run without it failed or stalled inside a collective."""
+        if self.plan.debug:
+            return ""
+        text = f"{root.get('traceback', '')}\n{root.get('message', '')}\n{exc}"
+        if "torch/distributed/" not in text and "distributed_c10d" not in text:
+            return ""
+        return (
+            "This happened inside a torch.distributed collective: run with debug=True "
+            "(%%distributed --debug, or NBLAUNCH_DEBUG=1) to check that every rank passes "
+            "the same shapes, dtypes and devices to each collective."
+        )
 
 
 def _recreate_exception(failure: dict[str, Any], world_size: int) -> BaseException:
@@ -863,7 +986,8 @@ def _recreate_exception(failure: dict[str, Any], world_size: int) -> BaseExcepti
 def _describe_failure(failure: dict[str, Any]) -> str:
     if failure["kind"] == "failure":
         exc_type = _short_type(failure["exc_type"])
-        text = f"rank {failure['rank']} raised {exc_type}: {failure['message']}"
+        first_line = (failure["message"].splitlines() or [""])[0]  # reports can be tables
+        text = f"rank {failure['rank']} raised {exc_type}: {first_line}"
         if failure["secondary"]:
             text += " (a consequence of a peer's failure)"
         return text

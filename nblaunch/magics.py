@@ -180,7 +180,8 @@ class DistributedMagics(Magics):
         type=_positive_float,
         default=None,
         metavar="S",
-        help="stop with DistributedHangError after S seconds without progress in collectives",
+        help="stop with DistributedHangError after S seconds without progress in collectives "
+        "(default 300; inf turns the check off)",
     )
     @magic_arguments.argument(
         "-o",
@@ -242,7 +243,7 @@ class DistributedMagics(Magics):
                     task, ranks=args.ranks, timeout=args.timeout, hang_timeout=args.hang_timeout
                 )
             else:
-                from nblaunch.launcher import notebook_launcher
+                from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S, notebook_launcher
 
                 results = notebook_launcher(
                     task,
@@ -251,7 +252,9 @@ class DistributedMagics(Magics):
                     debug=args.debug,
                     log_level=args.log_level,
                     timeout=args.timeout,
-                    hang_timeout=args.hang_timeout,
+                    hang_timeout=(
+                        DEFAULT_HANG_TIMEOUT_S if args.hang_timeout is None else args.hang_timeout
+                    ),
                     display="auto",
                 )
         except KeyboardInterrupt:

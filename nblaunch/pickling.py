@@ -1,8 +1,13 @@
-"""Pickling for the payload: cloudpickle, keeping the source file names of code objects.
+"""Pickling for the payload: cloudpickle, with two corrections.
 
-cloudpickle replaces the file name of every function it sends by value with
-``"<dynamic-code>"``. A traceback from a rank would then lose the user's source lines, which the
-notebook finds through that file name (ipykernel's cell files, or the script's path).
+- cloudpickle replaces the file name of every function it sends by value with
+  ``"<dynamic-code>"``. A traceback from a rank would then lose the user's source lines, which
+  the notebook finds through that file name (ipykernel's cell files, or the script's path).
+- cloudpickle ships every ``sys.modules`` entry ``package.name`` whose ``name`` a function uses,
+  assuming it is a plain module. ``torch.ops`` is an instance of a module subclass that
+  cloudpickle cannot reduce, so a function using torch and any global named ``ops``
+  (``from nblaunch import ops``) would fail to pickle. Such entries are left out: the rank
+  imports torch, which creates them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,16 @@ class Pickler(cloudpickle.Pickler):
     dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
         {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
     )
+
+    def _dynamic_function_reduce(self, func: types.FunctionType) -> tuple[Any, ...]:
+        reduced = super()._dynamic_function_reduce(func)
+        _, slotstate = reduced[2]
+        submodules = slotstate.get("_cloudpickle_submodules", [])
+        # Only plain modules reach cloudpickle's module reducer (keyed by exact type).
+        slotstate["_cloudpickle_submodules"] = [
+            module for module in submodules if type(module) is types.ModuleType
+        ]
+        return reduced
 
 
 def dumps(obj: Any) -> bytes:

@@ -36,6 +36,7 @@ from typing import Any
 
 from nblaunch.errors import LaunchError
 from nblaunch.events import Event, RunState
+from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S
 
 # How long the ranks of an interrupted or failed task get to come back before the pool restarts.
 INTERRUPT_WAIT_S = 3.0
@@ -105,7 +106,7 @@ def start_pool(
     start_method: str = "forkserver",
     debug: bool | None = None,
     log_level: str | None = None,
-    hang_timeout: float | None = None,
+    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     device_type: str | None = None,
@@ -162,7 +163,7 @@ class Pool:
         start_method: str = "forkserver",
         debug: bool | None = None,
         log_level: str | None = None,
-        hang_timeout: float | None = None,
+        hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
         device_type: str | None = None,

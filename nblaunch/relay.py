@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch.events import Event, EventSink, Stream
+from nblaunch.logging import InOrderLog
 from nblaunch.supervisor import RankProcess
 
 # A line longer than this is passed on in pieces rather than held in memory until its end.
@@ -51,6 +52,8 @@ class Relay:
         self._conns: dict[int, RankProcess] = {}
         self.tails: dict[int, collections.deque[str]] = {}
         self.last_output: dict[int, float] = {}
+        # in_order log records are lined up by (seq, rank) before the view sees them
+        self.in_order = InOrderLog()
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
         for rank in ranks:
@@ -62,9 +65,18 @@ class Relay:
         self._selector.register(rank.stderr_r.fileno(), selectors.EVENT_READ, (rank.rank, 2))
         self._selector.register(rank.conn.fileno(), selectors.EVENT_READ, (rank.rank, 0))
         self._conns[rank.rank] = rank
+        self.in_order.add_rank(rank.rank)
         self.tails.setdefault(rank.rank, collections.deque(maxlen=TAIL_LINES))
         if self.run_dir is not None and rank.rank not in self._logs:
             self._logs[rank.rank] = open(self.run_dir / f"rank{rank.rank}.log", "ab")  # noqa: SIM115
+
+    def remove(self, rank: RankProcess) -> None:
+        """Stop reading a rank process's pipes (it was replaced by a restarted one)."""
+        for end in (rank.stdout_r, rank.stderr_r, rank.conn):
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.unregister(end.fileno())
+        self._partial.pop((rank.rank, 1), None)
+        self._partial.pop((rank.rank, 2), None)
 
     def publish(self, event: Event) -> None:
         """Give an event made by the parent (state, diagnosis, ...) to the view."""
@@ -85,6 +97,8 @@ class Relay:
                 received.extend(self._read_events(rank, key.fd))
             else:
                 self._read_output(rank, fd, key.fd)
+        for ready in self.in_order.poll():
+            self.sink.handle(ready)
         self.sink.flush()
         return received
 
@@ -109,6 +123,8 @@ class Relay:
             if rest:
                 self._emit_line(rank, fd, rest, carriage=False)
         self._partial.clear()
+        for ready in self.in_order.flush():
+            self.sink.handle(ready)
         self.sink.flush()
 
     def drain_ready(self, limit_s: float = 0.5) -> list[dict[str, Any]]:
@@ -134,6 +150,8 @@ class Relay:
             if rest:
                 self._emit_line(rank, fd, rest, carriage=False)
         self._partial.clear()
+        for ready in self.in_order.flush():
+            self.sink.handle(ready)
         self.sink.flush()
         return received
 
@@ -156,7 +174,8 @@ class Relay:
             while process.conn.poll():
                 event = process.conn.recv()
                 received.append(event)
-                self.sink.handle(event)
+                for ready in self.in_order.feed(event):
+                    self.sink.handle(ready)
                 if event["kind"] == "log":
                     self._log_text(rank, f"{event['level']}:{event['name']}: {event['message']}\n")
         except (EOFError, OSError):

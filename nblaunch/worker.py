@@ -49,6 +49,7 @@ class RankContext:
     debug: bool
     launcher_pid: int
     options: dict[str, Any]  # free-form settings for in-rank features (log level, heartbeat)
+    task_id: int = 0  # the task running now; the same on every rank that runs it
 
 
 _context: RankContext | None = None
@@ -270,7 +271,9 @@ def _rendezvous_store(rank: int, world_size: int) -> Any:
     address = os.environ["MASTER_ADDR"]
     port = int(os.environ["MASTER_PORT"])
     timeout = datetime.timedelta(minutes=30)
-    if rank != 0:
+    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Multi-node runs: the notebook node hosts the store (nblaunch.multinode), as
+        # torchrun's agent does; every rank, rank 0 included, is a client.
         return dist.TCPStore(address, port, world_size, False, timeout)
     listener = socket.create_server((address, port), reuse_port=False)
     store = dist.TCPStore(
@@ -320,6 +323,7 @@ def _run_task(message: dict[str, Any]) -> None:
 
     assert _context is not None
     rank = _context.rank
+    _context.task_id = message.get("task_id", 0)
     try:
         with contextlib.ExitStack() as hooks:
             for hook in _task_hooks:

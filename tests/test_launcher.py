@@ -269,6 +269,8 @@ def test_a_rank_that_ignores_sigterm_is_killed_with_a_warning():
 
         if nblaunch.rank() == 0:
             sig.signal(sig.SIGTERM, sig.SIG_IGN)
+        nblaunch.wait_for_everyone()  # rank 1 fails only once rank 0 ignores SIGTERM
+        if nblaunch.rank() == 0:
             t.sleep(60)
         raise RuntimeError("rank 1 fails")
 
