@@ -1,0 +1,436 @@
+"""``python -m nblaunch join ENDPOINT --run-id RUN``: another node joins a notebook's run.
+
+The node connects to the store the notebook hosts, reads the run's settings and payload, takes
+part in the c10d rendezvous, then runs its share of the ranks with the ordinary supervisor and
+relay. Everything its ranks send (output lines, logs, heartbeats, results, failures) goes up to
+the notebook through the store; the node stops its ranks when the notebook says so, or when it
+loses the notebook. See :mod:`nblaunch.multinode` for the whole picture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+from nblaunch.errors import LaunchError
+from nblaunch.multinode import (
+    BEAT_INTERVAL_S,
+    CONFIG_VERSION,
+    CONTROL_INTERRUPT,
+    CONTROL_OK,
+    CONTROL_STOP,
+    PUSH_INTERVAL_S,
+    Keys,
+    MultiNodePlan,
+    connect_store,
+    local_host_name,
+    node_rank_of,
+    parse_endpoint,
+    plan_for_joined_node,
+    rendezvous_handler,
+    unshared_rendezvous_store,
+    warm_up,
+)
+
+# How long a joining node waits for the run's settings to appear in the store.
+CONFIG_WAIT_S = 10.0
+# A batch holds at most this many events, so one push stays small.
+MAX_BATCH = 2000
+# How often the node looks at the notebook's control key.
+CONTROL_INTERVAL_S = 0.1
+# Exit codes of the join command.
+EXIT_OK = 0
+EXIT_FAILED = 1  # the run failed, was stopped or interrupted, or the notebook went away
+EXIT_USAGE = 2  # no such run, endpoint unreachable: nothing ran here
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``join`` subcommand to the ``nblaunch`` command's subparsers."""
+    parser = subparsers.add_parser(
+        "join",
+        help="join a multi-node run started in a notebook",
+        description=(
+            "Join the multi-node run a notebook started with num_nodes > 1; the notebook prints "
+            "this command, with its endpoint and run id."
+        ),
+    )
+    configure_parser(parser)
+    return parser
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("endpoint", help="the notebook's rdzv_endpoint, host:port")
+    parser.add_argument("--run-id", required=True, help="the run id the notebook printed")
+    parser.add_argument(
+        "--start-method",
+        default="forkserver",
+        choices=("forkserver", "spawn", "fork"),
+        help="how this node starts its ranks (default: forkserver)",
+    )
+    parser.add_argument(
+        "--local-addr",
+        default=None,
+        help="this node's address, as the rendezvous and the notebook show it (default: hostname)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to keep trying to reach the notebook (default: 60)",
+    )
+    parser.set_defaults(handler=_run_from_args)
+
+
+def _run_from_args(args: argparse.Namespace) -> int:
+    return join(
+        args.endpoint,
+        args.run_id,
+        start_method=args.start_method,
+        local_addr=args.local_addr,
+        connect_timeout=args.connect_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nblaunch.join ENDPOINT --run-id RUN`` (the same as ``nblaunch join``)."""
+    parser = argparse.ArgumentParser(prog="nblaunch join")
+    configure_parser(parser)
+    args = parser.parse_args(argv)
+    return _run_from_args(args)
+
+
+def join(
+    endpoint: str,
+    run_id: str,
+    *,
+    start_method: str = "forkserver",
+    local_addr: str | None = None,
+    connect_timeout: float = 60.0,
+    out: TextIO | None = None,
+) -> int:
+    """Join the run ``run_id`` hosted at ``endpoint``; return the command's exit code.
+
+    Returns
+    -------
+    int
+        0 when every rank of the run returned; 1 when the run failed, was interrupted or
+        stopped, or the notebook went away; 2 when this node could not take part at all.
+    """
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousError,
+        RendezvousGracefulExitError,
+        RendezvousTimeoutError,
+    )
+
+    stream = out or sys.stderr
+
+    def say(message: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        print(f"nblaunch join [{stamp}]: {message}", file=stream, flush=True)
+
+    try:
+        host, port = parse_endpoint(endpoint)
+    except LaunchError as exc:
+        say(str(exc))
+        return EXIT_USAGE
+    keys = Keys(run_id)
+    if not wait_for_port(host, port, connect_timeout):
+        say(
+            f"cannot reach {endpoint} after {connect_timeout:g} s. Is the notebook cell running "
+            "(it hosts the rendezvous), and may this machine connect to that port (firewall)?"
+        )
+        return EXIT_USAGE
+    try:
+        store = connect_store(host, port)
+        store.wait([keys.config], datetime.timedelta(seconds=CONFIG_WAIT_S))
+    except Exception as exc:
+        say(
+            f"no run {run_id!r} at {endpoint} ({_first_line(exc)}); use the endpoint and run id "
+            "the notebook printed for its current run"
+        )
+        return EXIT_USAGE
+    if store.check([keys.complete]) or store.check([keys.control]):
+        say(f"run {run_id} at {endpoint} is not taking nodes any more (complete or stopped)")
+        return EXIT_USAGE
+    config = pickle.loads(store.get(keys.config))
+    if config.get("version") != CONFIG_VERSION:
+        say(
+            f"run {run_id} was started by another nblaunch version (settings format "
+            f"{config.get('version')}, this node reads {CONFIG_VERSION}); install the same "
+            "nblaunch on every node"
+        )
+        return EXIT_USAGE
+    name = local_host_name(local_addr)
+    try:  # check the devices before joining, so the notebook learns at once
+        plan_for_joined_node(
+            config, node_rank=1, run_id=run_id, master_addr=host, start_method=start_method
+        )
+    except LaunchError as exc:
+        store.queue_push(keys.hello, pickle.dumps({"host": name, "error": str(exc)}))
+        say(f"{exc}; the notebook was told")
+        return EXIT_USAGE
+    warm_up(start_method)
+    store.queue_push(keys.hello, pickle.dumps({"host": name, "pid": os.getpid()}))
+    say(f"joining run {run_id} at {endpoint} ({config['num_nodes']} nodes)")
+    handler = rendezvous_handler(
+        connect_store(host, port), run_id, config["num_nodes"], local_addr, config["rdzv_timeout"]
+    )
+    try:
+        with unshared_rendezvous_store():
+            info = handler.next_rendezvous()
+        head_rank = int(store.get(keys.head_rank))
+    except (RendezvousClosedError, RendezvousGracefulExitError):
+        say(f"run {run_id} was closed before every node joined (interrupted or timed out)")
+        return EXIT_FAILED
+    except RendezvousTimeoutError:
+        say(f"not every node joined run {run_id} in time; nothing ran")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        say("interrupted while the nodes gathered")
+        return EXIT_FAILED
+    except (RendezvousError, RuntimeError) as exc:
+        say(f"lost the rendezvous at {endpoint}: {_first_line(exc)}")
+        return EXIT_FAILED
+    node_rank = node_rank_of(info.rank, head_rank)
+    plan = plan_for_joined_node(
+        config, node_rank=node_rank, run_id=run_id, master_addr=host, start_method=start_method
+    )
+    payload = store.get(keys.payload)
+    _terminate_as_interrupt()
+    ranks = plan.local_ranks
+    span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+    say(f"node {node_rank} of {plan.num_nodes}: {span}")
+    return NodeRun(plan, payload, store, keys, name, say, handler).run()
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    """Wait until something accepts connections on ``host:port``; False after ``timeout`` s.
+
+    Probing with a plain socket first keeps torch's store client from logging a C++ error with
+    a stack trace for each attempt while the notebook is not there yet.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2.0):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
+
+class Uplink:
+    """The relay's sink on a joined node: batches events and pushes them to the notebook.
+
+    One push per ``PUSH_INTERVAL_S`` at most (or per ``MAX_BATCH`` events). A thread of its own,
+    on its own connection, pushes an empty batch every ``BEAT_INTERVAL_S``: the notebook knows
+    the node is alive even while starting the ranks blocks this node's main thread. ``lost`` is
+    set when the store cannot be reached any more: the notebook has gone.
+    """
+
+    def __init__(self, store: Any, key: str, node: int, beat_store: Any = None) -> None:
+        self.store = store
+        self.key = key
+        self.node = node
+        self.buffer: list[dict[str, Any]] = []
+        self.last_push = 0.0
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        if beat_store is not None:
+            self._beat = threading.Thread(
+                target=self._beat_loop, args=(beat_store,), name="nblaunch-beat", daemon=True
+            )
+            self._beat.start()
+
+    def _beat_loop(self, store: Any) -> None:
+        beat = pickle.dumps((self.node, []))
+        while not self._stop.wait(BEAT_INTERVAL_S):
+            try:
+                store.queue_push(self.key, beat)
+            except Exception as exc:
+                self.lost = _first_line(exc)
+                return
+
+    def handle(self, event: Any) -> None:
+        self.buffer.append(event)
+
+    def news(self, what: str, **fields: Any) -> None:
+        """A record about the node itself (``started``, ``done``), not about one rank."""
+        self.buffer.append({"kind": "node", "what": what, **fields})
+
+    def flush(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.buffer and (
+            force or now - self.last_push >= PUSH_INTERVAL_S or len(self.buffer) >= MAX_BATCH
+        ):
+            self.push()
+
+    def push(self) -> None:
+        if self.lost is not None:
+            return
+        batch, self.buffer = self.buffer, []
+        self.last_push = time.monotonic()
+        try:
+            self.store.queue_push(self.key, pickle.dumps((self.node, batch)))
+        except Exception as exc:
+            self.lost = _first_line(exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(5.0)
+        self.push()
+
+
+class NodeRun:
+    """This node's ranks: start them, forward what they send, stop them when told to."""
+
+    def __init__(
+        self,
+        plan: MultiNodePlan,
+        payload: bytes,
+        store: Any,
+        keys: Keys,
+        name: str,
+        say: Any,
+        handler: Any = None,
+    ) -> None:
+        self.plan = plan
+        self.payload = payload
+        self.store = store
+        self.keys = keys
+        self.name = name
+        self.say = say
+        self.handler = handler  # the rendezvous, left once the ranks stopped
+        self.uplink = Uplink(store, keys.up, plan.node_rank, beat_store=_beat_store(store))
+        self.finished: set[int] = set()
+        self.returned: set[int] = set()
+        self._last_control_check = 0.0
+
+    def run(self) -> int:
+        from nblaunch.launcher import STOP_GRACE_S
+        from nblaunch.relay import Relay
+        from nblaunch.supervisor import Supervisor
+        from nblaunch.worker import STOP, TASK
+
+        plan = self.plan
+        uplink = self.uplink
+        supervisor = Supervisor(plan.world_size, plan.start_method)
+        relay = None
+        outcome = "stopped"
+        uplink.news("started", host=self.name, ranks=plan.local_ranks, pid=os.getpid())
+        uplink.push()
+        try:
+            supervisor.start(plan.local_ranks)
+            relay = Relay(supervisor.ranks, uplink, None)
+            for rank in supervisor.ranks:
+                supervisor.send(rank, plan.setup_message(rank.rank))
+                supervisor.send(rank, {"kind": TASK, "payload": self.payload, "task_id": 0})
+            interrupted = False
+            while True:
+                self._note(relay.poll(0.05))
+                for rank in supervisor.reap():
+                    self._note(relay.drain_events(rank.rank))
+                    if rank.rank not in self.finished:
+                        self.finished.add(rank.rank)
+                        uplink.handle(
+                            {"kind": "death", "rank": rank.rank, "exitcode": rank.exitcode}
+                        )
+                if uplink.lost is not None:
+                    self.say(f"lost the notebook ({uplink.lost}); stopping this node's ranks")
+                    break
+                control = self._control()
+                if control == CONTROL_INTERRUPT and not interrupted:
+                    interrupted = True
+                    supervisor.interrupt()
+                elif control == CONTROL_OK:
+                    outcome = "finished"
+                    for rank in supervisor.ranks:
+                        supervisor.send(rank, {"kind": STOP})
+                    deadline = time.monotonic() + 5.0
+                    while supervisor.alive() and time.monotonic() < deadline:
+                        relay.poll(0.02)
+                        supervisor.reap()
+                    break
+                elif control == CONTROL_STOP:
+                    outcome = "interrupted" if interrupted else "stopped by the notebook"
+                    break
+        except KeyboardInterrupt:
+            outcome = "interrupted on this node"
+        except Exception as exc:  # starting the ranks failed: the notebook must hear why
+            outcome = f"failed on this node: {_first_line(exc)}"
+            raise
+        finally:
+            supervisor.stop(grace=STOP_GRACE_S)
+            if relay is not None:
+                relay.drain_output(timeout=1.0)
+            if self.handler is not None:  # before "done": the notebook closes the store then
+                with contextlib.suppress(Exception):
+                    self.handler.shutdown()
+            uplink.news("done", outcome=outcome)
+            uplink.close()
+            if relay is not None:
+                relay.close()
+            supervisor.close()
+        self.say(f"run {plan.run_id}: {outcome}")
+        return EXIT_OK if outcome == "finished" else EXIT_FAILED
+
+    def _note(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            if event["kind"] == "finished":
+                self.finished.add(event["rank"])
+            elif event["kind"] == "result":
+                self.returned.add(event["rank"])
+
+    def _control(self) -> str | None:
+        """What the notebook wants (checked every ``CONTROL_INTERVAL_S``); None: carry on."""
+        now = time.monotonic()
+        if now - self._last_control_check < CONTROL_INTERVAL_S:
+            return None
+        self._last_control_check = now
+        try:
+            if not self.store.check([self.keys.control]):
+                return None
+            return self.store.get(self.keys.control).decode()
+        except Exception as exc:
+            self.uplink.lost = _first_line(exc)
+            return None
+
+
+def _terminate_as_interrupt() -> None:
+    """Take SIGTERM (``scancel``, ``kill``) like Ctrl-C: stop the ranks, tell the notebook."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
+def _beat_store(store: Any) -> Any:
+    """A second connection to the store, for the beat thread (a client is not shared)."""
+    try:
+        return store.clone()
+    except Exception:
+        return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+if __name__ == "__main__":  # pragma: no cover - python -m nblaunch.join
+    sys.exit(main())

@@ -1,0 +1,917 @@
+"""Runs across several machines: the notebook node hosts, the other nodes join.
+
+A multi-node run is the single-node run of :mod:`nblaunch.launcher` on every node, tied together
+by PyTorch's own elastic rendezvous (``torch.distributed.elastic``'s c10d rendezvous)::
+
+    notebook node (node 0)                                   other nodes
+      TCPStore on rdzv_endpoint ◀── c10d rendezvous ──────── python -m nblaunch join ENDPOINT
+        config + payload        ───────────────────────────▶   --run-id RUN (nblaunch.join)
+        "up" queue              ◀── events, output lines ────   Supervisor + Relay → store
+        "control" key           ─── ok / stop / interrupt ──▶   stops its ranks
+      Supervisor: ranks 0..n-1                                 Supervisor: ranks k*n..k*n+n-1
+      Run: root cause, view, results of every rank
+
+- **Rendezvous**: the notebook node listens on the address of ``rdzv_endpoint`` only (torch's
+  ``TCPStore`` would listen on every interface; we hand it a socket bound to that address). Node
+  membership, the join timeout and node ranks come from the elastic ``DynamicRendezvousHandler``
+  with the ``C10dRendezvousBackend`` on that store, as under ``torchrun --rdzv-backend c10d``.
+  Node ranks are its ranks, rotated so the notebook node is node 0 and holds global rank 0.
+- **Payload**: the function and its arguments (cloudpickle bytes) wait in the store; a joining
+  node needs only nblaunch installed, not the notebook.
+- **Process group**: every rank connects to the same store as a client, the contract of
+  ``TORCHELASTIC_USE_AGENT_STORE=True``; so one port serves rendezvous and process group.
+- **Events**: each joined node runs the ordinary supervisor and relay; its relay's sink pushes
+  the events and output lines of its ranks, in batches, onto a queue in the store, which the
+  notebook's relay pops alongside its own pipes. No second connection, no extra port.
+- **Decisions** are taken in one place, the notebook's :class:`~nblaunch.launcher.Run`: the first
+  primary failure on any node is the root cause; the notebook then sets the control key and
+  every node stops its ranks. (An elastic agent per node would hide a remote failure from the
+  notebook node behind its exit barrier; here no node decides on its own.)
+
+We use the elastic *rendezvous* but not the elastic *agent*: the agent's worker management would
+replace the supervisor that captures output, finds the root cause and restores the notebook's
+signal handlers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from nblaunch.errors import LaunchError, RankFailedError, RendezvousTimeoutError
+from nblaunch.events import Event, EventSink, RunState
+from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S, LaunchPlan, Run
+from nblaunch.relay import Relay
+from nblaunch.supervisor import Supervisor
+from nblaunch.worker import TASK
+
+DEFAULT_PORT = 29400
+# torch's own default for the join timeout of the c10d rendezvous.
+DEFAULT_RDZV_TIMEOUT_S = 600.0
+# Timeout of single store operations (a get, a push); generous, the network may be slow.
+STORE_TIMEOUT_S = 60.0
+# A node that sent nothing (not even its once-a-second beat) for this long is taken as lost.
+NODE_SILENCE_S = 30.0
+# How long the notebook waits for the other nodes to report their ranks stopped.
+NODE_STOP_WAIT_S = 8.0
+# How often a joined node pushes the events it collected, and its liveness beat.
+PUSH_INTERVAL_S = 0.05
+BEAT_INTERVAL_S = 1.0
+# The format of the settings a joining node reads; a node refuses a run of another format.
+CONFIG_VERSION = 1
+# Control values the notebook sets for the other nodes, in the order they may follow each other.
+CONTROL_INTERRUPT = "interrupt"
+CONTROL_OK = "ok"
+CONTROL_STOP = "stop"
+
+
+class Keys:
+    """Names of the store keys of one run (all under ``nblaunch/<run id>/``)."""
+
+    def __init__(self, run_id: str) -> None:
+        base = f"nblaunch/{run_id}/"
+        self.config = base + "config"  # pickled dict: what the nodes need to start their ranks
+        self.payload = base + "payload"  # cloudpickle bytes of (function, args, kwargs)
+        self.hello = base + "hello"  # queue: one record per node arriving (or refusing)
+        self.head_rank = base + "head_rank"  # the notebook node's rank in the rendezvous
+        self.complete = base + "complete"  # set once every node joined: latecomers are refused
+        self.up = base + "up"  # queue: batches of events from the other nodes
+        self.control = base + "control"  # what the notebook tells the other nodes to do
+
+
+# --- endpoints and stores ------------------------------------------------------------------------
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (``"[v6]:port"``; port 29400 when left out).
+
+    Raises
+    ------
+    LaunchError
+        When the endpoint is empty or malformed.
+    """
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    if not isinstance(endpoint, str) or not endpoint.strip():
+        raise LaunchError(
+            f"rdzv_endpoint must be 'host:port', an address of this machine that the other "
+            f"nodes can reach, e.g. 'head-node:{DEFAULT_PORT}'; got {endpoint!r}"
+        )
+    try:
+        return parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
+    except ValueError as exc:
+        raise LaunchError(f"rdzv_endpoint={endpoint!r} is not 'host:port': {exc}") from None
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` only.
+
+    Raises
+    ------
+    LaunchError
+        When this machine cannot listen there (not one of its addresses, port busy).
+    """
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as exc:
+        raise LaunchError(
+            f"cannot listen on rdzv_endpoint {host}:{port}: {exc.strerror or exc}. It must be an "
+            "address of this (the notebook's) machine that the other nodes can reach, and a "
+            "free port"
+        ) from None
+
+
+def host_store(host: str, port: int) -> Any:
+    """A ``TCPStore`` server listening on ``host:port`` only.
+
+    ``TCPStore(host, port, is_master=True)`` listens on every interface whatever ``host`` says;
+    handing it a socket we bound ourselves keeps the rendezvous on the address the person gave.
+
+    Raises
+    ------
+    LaunchError
+        When this machine cannot listen there (not one of its addresses, port busy).
+    """
+    import torch.distributed as dist
+
+    listener = listen_on(host, port)
+    return dist.TCPStore(
+        host,
+        port,
+        None,
+        True,
+        datetime.timedelta(seconds=STORE_TIMEOUT_S),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
+
+
+def connect_store(host: str, port: int, timeout: float = STORE_TIMEOUT_S) -> Any:
+    """A client of the store at ``host:port``; retries connecting for up to ``timeout`` s."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+
+
+def rendezvous_handler(
+    store: Any, run_id: str, num_nodes: int, local_addr: str | None, join_timeout: float
+) -> Any:
+    """torch's c10d rendezvous for exactly ``num_nodes`` nodes, on ``store``."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+    )
+
+    return DynamicRendezvousHandler.from_backend(
+        run_id,
+        store,
+        C10dRendezvousBackend(store, run_id),
+        min_nodes=num_nodes,
+        max_nodes=num_nodes,
+        local_addr=local_addr,
+        timeout=RendezvousTimeout(join=datetime.timedelta(seconds=join_timeout)),
+    )
+
+
+@contextlib.contextmanager
+def unshared_rendezvous_store() -> Iterator[None]:
+    """Keep the rendezvous from starting a second TCPStore server (on every interface).
+
+    By default the node of rank 0 starts a store server for its workers; ours use the
+    rendezvous store (see ``MultiNodePlan.rank_env``), so ask torch not to.
+    """
+    key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def warm_up(start_method: str) -> None:
+    """Start the forkserver now, so it imports torch while the nodes gather, not after.
+
+    A no-op for other start methods, and when this process's forkserver already runs.
+    """
+    if start_method != "forkserver":
+        return
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from nblaunch.supervisor import FORKSERVER_PRELOAD, _main_module_hidden
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+    with _main_module_hidden(), contextlib.suppress(Exception):
+        forkserver.ensure_running()
+
+
+def node_rank_of(rdzv_rank: int, head_rdzv_rank: int) -> int:
+    """The node rank of a node: its rendezvous rank, rotated so the notebook node is node 0.
+
+    The rendezvous numbers nodes by their sorted addresses; rank 0 belongs on the notebook's node
+    (it is where ``is_main_process()`` code saves files the notebook can read).
+    """
+    if rdzv_rank == head_rdzv_rank:
+        return 0
+    return rdzv_rank + 1 if rdzv_rank < head_rdzv_rank else rdzv_rank
+
+
+def local_host_name(local_addr: str | None = None) -> str:
+    """How a node is named in the notebook: its hostname (and address, when one was given)."""
+    name = socket.gethostname()
+    return f"{name} ({local_addr})" if local_addr and local_addr != name else name
+
+
+@contextlib.contextmanager
+def signal_handlers_kept(
+    signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+) -> Iterator[None]:
+    """Put back the handlers of ``signums`` as they were, whatever ran in between.
+
+    torch.distributed.elastic installs its own SIGINT/SIGTERM handlers in places and does not
+    restore them; the notebook's interrupt button must keep raising ``KeyboardInterrupt``.
+    Signal handlers can only be set from the main thread; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {signum: signal.getsignal(signum) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None and signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class MultiNodePlan(LaunchPlan):
+    """A launch plan for one node of a multi-node run.
+
+    ``world_size`` counts every rank of every node; this node runs global ranks
+    ``node_rank * nproc_per_node`` to ``(node_rank + 1) * nproc_per_node - 1``.
+    """
+
+    num_nodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    rdzv_run_id: str = "nblaunch"
+
+    @property
+    def local_ranks(self) -> list[int]:
+        first = self.node_rank * self.nproc_per_node
+        return list(range(first, first + self.nproc_per_node))
+
+    @property
+    def run_id(self) -> str:
+        return self.rdzv_run_id
+
+    @property
+    def threads_per_rank(self) -> int:
+        return max(1, (os.cpu_count() or 1) // self.nproc_per_node)
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """The torchrun contract for ``rank`` of a multi-node run, as ``torchrun`` sets it."""
+        env = super().rank_env(rank)
+        env.update(
+            LOCAL_RANK=str(rank - self.node_rank * self.nproc_per_node),
+            LOCAL_WORLD_SIZE=str(self.nproc_per_node),
+            GROUP_RANK=str(self.node_rank),
+            NODE_RANK=str(self.node_rank),
+            GROUP_WORLD_SIZE=str(self.num_nodes),
+            ROLE_RANK=str(rank),
+            ROLE_WORLD_SIZE=str(self.world_size),
+            ROLE_NAME="default",
+            TORCHELASTIC_RUN_ID=self.rdzv_run_id,
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+            # Every rank is a client of the store the notebook node hosts on MASTER_ADDR:PORT
+            # (torch's env:// init honours this too, for code that sets up its own group).
+            TORCHELASTIC_USE_AGENT_STORE="True",
+        )
+        return env
+
+    def node_config(self) -> dict[str, Any]:
+        """What a joining node needs from this plan to start its ranks (sent through the store)."""
+        return {
+            "version": CONFIG_VERSION,
+            "num_nodes": self.num_nodes,
+            "nproc_per_node": self.nproc_per_node,
+            "world_size": self.world_size,
+            "device_type": self.device_type,
+            "backend": self.backend,
+            "debug": self.debug,
+            "init_process_group": self.init_process_group,
+            "hang_timeout": self.hang_timeout,
+            "log_level": self.log_level,
+            "master_port": self.master_port,
+        }
+
+
+def plan_for_joined_node(
+    config: dict[str, Any],
+    *,
+    node_rank: int,
+    run_id: str,
+    master_addr: str,
+    start_method: str,
+) -> MultiNodePlan:
+    """The plan of a joined node, from the notebook's config and this node's own devices.
+
+    Raises
+    ------
+    LaunchError
+        When this node lacks the devices the run needs.
+    """
+    from nblaunch.launcher import _detect_devices
+
+    device_type, count, device_kind = _detect_devices(config["device_type"])
+    if device_type != "cpu" and config["nproc_per_node"] > count:
+        raise LaunchError(
+            f"the run needs {config['nproc_per_node']} {device_type.upper()} device(s) per node "
+            f"but {socket.gethostname()} has {count}"
+        )
+    return MultiNodePlan(
+        world_size=config["world_size"],
+        device_type=device_type,
+        backend=config["backend"],
+        start_method=start_method,
+        master_addr=master_addr,
+        master_port=config["master_port"],
+        debug=config["debug"],
+        init_process_group=config["init_process_group"],
+        timeout=None,
+        hang_timeout=config["hang_timeout"],
+        log_level=config["log_level"],
+        run_dir=None,
+        device_kind=device_kind,
+        num_nodes=config["num_nodes"],
+        nproc_per_node=config["nproc_per_node"],
+        node_rank=node_rank,
+        rdzv_run_id=run_id,
+    )
+
+
+# --- the notebook's side -------------------------------------------------------------------------
+
+
+def launch_multinode(
+    function: Any,
+    args: tuple[Any, ...] | list[Any] = (),
+    num_processes: int | None = None,
+    *,
+    num_nodes: int,
+    rdzv_endpoint: str | None,
+    rdzv_timeout: float | None = None,
+    kwargs: dict[str, Any] | None = None,
+    start_method: str = "forkserver",
+    debug: bool | None = None,
+    log_level: str | None = None,
+    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
+    timeout: float | None = None,
+    setup_process_group: bool = True,
+    device_type: str | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    display: str = "auto",
+    view: EventSink | None = None,
+) -> list[Any]:
+    """Run ``function`` on ``num_processes`` ranks on each of ``num_nodes`` nodes.
+
+    Called by :func:`~nblaunch.launcher.notebook_launcher` when ``num_nodes`` is given; see
+    there for the shared parameters. This process is node 0 and holds ranks 0 to
+    ``num_processes - 1``; the other nodes join with ``python -m nblaunch join``.
+
+    Parameters
+    ----------
+    num_processes
+        Ranks *per node* (like torchrun's ``--nproc-per-node``); the run has
+        ``num_processes * num_nodes`` ranks.
+    num_nodes
+        How many machines take part, this one included.
+    rdzv_endpoint
+        ``"host:port"``: an address of this machine that the other nodes can reach. The
+        rendezvous, the process group's store and the event channel all use this one port.
+    rdzv_timeout
+        Seconds to wait for every node to join (default 600, torch's default).
+    view
+        Where events go, instead of the view ``display`` picks (for tests and other front ends).
+
+    Returns
+    -------
+    list
+        ``function``'s return value on each rank, indexed by global rank.
+
+    Raises
+    ------
+    RendezvousTimeoutError
+        Not every node joined within ``rdzv_timeout``: nothing ran.
+    LaunchError
+        Bad arguments, an address this machine cannot listen on, a node that cannot take part.
+    Exception
+        The failing rank's own exception, from whichever node it ran on.
+    KeyboardInterrupt
+        The launch was interrupted; every rank on every node has been stopped.
+    """
+    from nblaunch.launcher import plan_launch, serialize_payload
+
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise LaunchError(f"num_nodes must be a whole number of machines >= 1, got {num_nodes!r}")
+    if rdzv_endpoint is None:
+        raise LaunchError(
+            f"num_nodes={num_nodes} needs rdzv_endpoint='host:port': an address of this machine "
+            f"that the other nodes can reach, e.g. rdzv_endpoint='{socket.gethostname()}:"
+            f"{DEFAULT_PORT}'"
+        )
+    if rdzv_timeout is None:
+        rdzv_timeout = DEFAULT_RDZV_TIMEOUT_S
+    if isinstance(rdzv_timeout, bool) or not isinstance(rdzv_timeout, (int, float)):
+        raise LaunchError(f"rdzv_timeout must be a number of seconds, got {rdzv_timeout!r}")
+    if rdzv_timeout <= 0:
+        raise LaunchError(f"rdzv_timeout must be positive, got {rdzv_timeout!r}")
+    host, port = parse_endpoint(rdzv_endpoint)
+    listen_on(host, port).close()  # say now, in its own words, when we cannot listen there
+    base = plan_launch(
+        function,
+        num_processes,
+        start_method=start_method,
+        debug=debug,
+        log_level=log_level,
+        hang_timeout=hang_timeout,
+        timeout=timeout,
+        master_addr=host,
+        master_port=None,
+        setup_process_group=setup_process_group,
+        device_type=device_type,
+        run_dir=run_dir,
+    )
+    if base.device_type == "xla":
+        raise LaunchError("multi-node runs support CUDA and CPU ranks, not XLA devices")
+    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    values.update(world_size=base.world_size * num_nodes, master_port=port)
+    plan = MultiNodePlan(
+        **values,
+        num_nodes=num_nodes,
+        nproc_per_node=base.world_size,
+        node_rank=0,
+        rdzv_run_id=base.run_id,
+    )
+    payload = serialize_payload(function, args, kwargs)
+    if view is None:
+        from nblaunch.widgets import make_view
+
+        view = make_view(display)
+    with signal_handlers_kept():
+        run: MultiNodeRun | None = None
+        try:
+            head = Head(plan, host, port, view)
+            try:
+                head.rendezvous(payload, rdzv_timeout)
+                run = MultiNodeRun(plan, view, head)
+                return run.execute(payload)
+            finally:
+                head.close()
+        finally:
+            if run is None:  # the run closes the view; before it exists, close it here
+                view.close()
+
+
+class Head:
+    """The notebook node's side: hosts the store and the rendezvous, talks to the other nodes."""
+
+    def __init__(self, plan: MultiNodePlan, host: str, port: int, view: EventSink) -> None:
+        self.plan = plan
+        self.host = host
+        self.port = port
+        self.view = view
+        self.keys = Keys(plan.run_id)
+        self.server = host_store(host, port)
+        self.store = connect_store(host, port)
+        self.handler: Any = None
+        self.hosts: dict[int, str] = {0: local_host_name()}  # node rank -> name
+        self.arrived: list[dict[str, Any]] = []  # hello records of the other nodes
+        self.last_seen: dict[int, float] = {}  # node rank -> monotonic time of its last batch
+        self.done: set[int] = set()  # nodes that reported their ranks stopped
+        self.errors: list[tuple[int, str]] = []  # (node, message) of nodes that broke down
+        self._control: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def join_command(self) -> str:
+        return f"python -m nblaunch join {self.endpoint} --run-id {self.plan.run_id}"
+
+    # --- before the ranks start --------------------------------------------------------------
+
+    def rendezvous(self, payload: bytes, timeout: float) -> None:
+        """Publish the run, wait for every node, and show each one as it arrives.
+
+        Raises
+        ------
+        RendezvousTimeoutError
+            When not every node joined within ``timeout`` seconds.
+        LaunchError
+            When a node reported that it cannot take part, or the rendezvous broke down.
+        """
+        plan = self.plan
+        keys = self.keys
+        config = {**plan.node_config(), "rdzv_timeout": timeout}
+        self.store.set(keys.config, pickle.dumps(config))
+        self.store.set(keys.payload, payload)
+        self._show(
+            {
+                "kind": "run_info",
+                "world_size": plan.world_size,
+                "device_kind": plan.device_kind,
+                "start_method": plan.start_method,
+                "debug": plan.debug,
+                "run_dir": str(plan.run_dir) if plan.run_dir else "",
+                "warnings": plan.warnings,
+                "started_at": time.time(),
+            }
+        )
+        others = plan.num_nodes - 1
+        if others:
+            self.info(
+                f"waiting for {others} more node(s) at {self.endpoint}",
+                f"run this on each of the other {others} node(s) (by hand, ssh, or srun):\n"
+                f"  {self.join_command()}\n"
+                f"{plan.num_nodes} node(s) x {plan.nproc_per_node} rank(s) = {plan.world_size} "
+                f"ranks; waiting up to {timeout:g} s",
+            )
+        warm_up(plan.start_method)
+        # The rendezvous blocks; it runs on a thread (with its own connection to the store) so
+        # that this thread can show the nodes arriving and take the notebook's interrupt.
+        self.handler = rendezvous_handler(
+            connect_store(self.host, self.port), plan.run_id, plan.num_nodes, self.host, timeout
+        )
+        outcome: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                outcome["info"] = self.handler.next_rendezvous()
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        with unshared_rendezvous_store():
+            thread = threading.Thread(target=join, name="nblaunch-rendezvous", daemon=True)
+            thread.start()
+            try:
+                while thread.is_alive():
+                    thread.join(0.1)
+                    self._take_hellos()
+                    self.view.flush()
+            except BaseException:
+                self._close_rendezvous()
+                raise
+        if "error" in outcome:
+            self._close_rendezvous()
+            self._raise_rendezvous_error(outcome["error"], timeout)
+        info = outcome["info"]
+        self.store.set(keys.head_rank, str(info.rank))
+        self.store.set(keys.complete, "1")
+        self._take_hellos()
+        if others:
+            self.info(
+                f"all {plan.num_nodes} nodes joined",
+                f"starting {plan.nproc_per_node} rank(s) on each node",
+            )
+        now = time.monotonic()
+        self.last_seen = {node: now for node in range(1, plan.num_nodes)}
+
+    def _take_hellos(self) -> None:
+        """Show the nodes that arrived; fail at once when one reported it cannot take part."""
+        for record in self._pop_all(self.keys.hello):
+            if record.get("error"):
+                self._close_rendezvous()
+                raise LaunchError(
+                    f"node {record['host']} cannot join the run at {self.endpoint}: "
+                    f"{record['error']}. Nothing was started."
+                )
+            self.arrived.append(record)
+            missing = self.plan.num_nodes - 1 - len(self.arrived)
+            self.info(
+                f"node {record['host']} joined",
+                f"{len(self.arrived) + 1} of {self.plan.num_nodes} nodes are here"
+                + (f"; waiting for {missing} more" if missing > 0 else ""),
+            )
+
+    def _raise_rendezvous_error(self, error: BaseException, timeout: float) -> None:
+        from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError as Timeout
+
+        joined = len(self.arrived) + 1
+        if isinstance(error, Timeout):
+            names = ", ".join([self.hosts[0], *(r["host"] for r in self.arrived)])
+            raise RendezvousTimeoutError(
+                f"only {joined} of {self.plan.num_nodes} nodes joined the rendezvous at "
+                f"{self.endpoint} within rdzv_timeout={timeout:g} s (joined: {names}). Run "
+                f"`{self.join_command()}` on each missing node, check that they can reach "
+                f"{self.endpoint} (firewall, address), or pass num_nodes={joined}. "
+                "Nothing was started.",
+                endpoint=self.endpoint,
+                joined=joined,
+                expected=self.plan.num_nodes,
+            ) from None
+        raise LaunchError(
+            f"the rendezvous at {self.endpoint} failed: {type(error).__name__}: {error}"
+        ) from error
+
+    def _close_rendezvous(self) -> None:
+        """Close the rendezvous, so nodes still waiting (or arriving late) give up at once."""
+        with contextlib.suppress(Exception):
+            self.store.set(self.keys.control, CONTROL_STOP)
+        with contextlib.suppress(Exception):
+            closer = rendezvous_handler(
+                connect_store(self.host, self.port, timeout=5.0),
+                self.plan.run_id,
+                self.plan.num_nodes,
+                self.host,
+                5.0,
+            )
+            closer.set_closed()
+
+    # --- while the ranks run -----------------------------------------------------------------
+
+    def pull(self) -> list[tuple[int, list[dict[str, Any]]]]:
+        """The batches the other nodes pushed since the last call: ``(node, events)``."""
+        batches = []
+        now = time.monotonic()
+        for node, events in self._pop_all(self.keys.up):
+            self.last_seen[node] = now
+            batches.append((node, events))
+        return batches
+
+    def control(self, value: str) -> None:
+        """Tell every other node what to do with its ranks (``ok``, ``stop``, ``interrupt``)."""
+        if value == self._control or self._control in (CONTROL_OK, CONTROL_STOP):
+            return  # ok/stop are final; only an interrupt may be followed by a stop
+        self._control = value
+        with contextlib.suppress(Exception):
+            self.store.set(self.keys.control, value)
+
+    @property
+    def control_sent(self) -> str | None:
+        """The last control value sent to the other nodes (None while the run goes on)."""
+        return self._control
+
+    def silent_nodes(self) -> list[int]:
+        now = time.monotonic()
+        return sorted(
+            node
+            for node, seen in self.last_seen.items()
+            if node not in self.done and now - seen > NODE_SILENCE_S
+        )
+
+    def _pop_all(self, key: str) -> list[Any]:
+        from torch.distributed import QueueEmptyError
+
+        records = []
+        with contextlib.suppress(Exception):
+            pending = self.store.queue_len(key)
+            for _ in range(pending):
+                try:
+                    records.append(pickle.loads(self.store.queue_pop(key, False)))
+                except QueueEmptyError:
+                    break
+        return records
+
+    def info(self, title: str, body: str) -> None:
+        """Show a line of news about the nodes (an ``info`` Diagnosis) at once."""
+        self._show(
+            {
+                "kind": "diagnosis",
+                "title": title,
+                "body": body,
+                "severity": "info",
+                "rank": None,
+                "secondary": [],
+            }
+        )
+
+    def _show(self, event: Event) -> None:
+        self.view.handle(event)
+        self.view.flush()
+
+    def close(self) -> None:
+        """Close the rendezvous and stop listening; the port is free again afterwards."""
+        if self._control is None:
+            self.control(CONTROL_STOP)
+        if self.handler is not None:
+            with contextlib.suppress(Exception):
+                self.handler.shutdown()
+            self.handler = None
+        self.store = None
+        self.server = None  # the last reference: the server stops listening
+
+
+class _NodeSupervisor(Supervisor):
+    """The supervisor of one node: starts only this node's global ranks."""
+
+    def __init__(self, world_size: int, start_method: str, local_ranks: list[int]) -> None:
+        super().__init__(world_size, start_method)
+        self.local_ranks = local_ranks
+
+    def start(self, rank_ids: list[int] | None = None) -> None:
+        super().start(self.local_ranks if rank_ids is None else rank_ids)
+
+
+class NodesRelay(Relay):
+    """The notebook's relay: this node's pipes, plus what the other nodes pushed to the store.
+
+    Remote events reach the view and the run like local ones, with ``host`` and ``node`` added;
+    remote output is written to ``rank<N>.log`` here too, so every rank's log is in one place.
+    """
+
+    def __init__(self, ranks: list[Any], sink: EventSink, run_dir: Path | None, head: Head):
+        super().__init__(ranks, sink, run_dir)
+        self.head = head
+        for rank in range(head.plan.world_size):  # remote in-order logs line up with local ones
+            self.in_order.add_rank(rank)
+
+    def poll(self, timeout: float) -> list[dict[str, Any]]:
+        received = super().poll(timeout)
+        received.extend(self.pull_remote())
+        return received
+
+    def pull_remote(self) -> list[dict[str, Any]]:
+        """Pass the other nodes' events on; return those the run acts on (as ``poll`` does)."""
+        received: list[dict[str, Any]] = []
+        for node, events in self.head.pull():
+            host = self.head.hosts.get(node, f"node {node}")
+            for event in events:
+                kind = event["kind"]
+                if kind == "node":  # a node's own news: started its ranks, beat, done, broken
+                    received.extend(self._node_news(node, event))
+                    continue
+                event["host"] = host
+                event["node"] = node
+                rank = event.get("rank")
+                if kind == "death":  # the run turns it into a failure and a state
+                    received.append(event)
+                    continue
+                if kind == "stream":
+                    self.last_output[rank] = time.time()
+                    if not event["carriage"]:
+                        self.tails.setdefault(rank, _new_tail()).append(event["text"])
+                    self._remote_log(rank, event["text"] + "\n")
+                    self.sink.handle(event)
+                    continue
+                if kind == "log":
+                    self._remote_log(
+                        rank, f"{event['level']}:{event['name']}: {event['message']}\n"
+                    )
+                for ready in self.in_order.feed(event):
+                    self.sink.handle(ready)
+                received.append(event)
+        if received:
+            self.sink.flush()
+        return received
+
+    def _node_news(self, node: int, news: dict[str, Any]) -> list[dict[str, Any]]:
+        head = self.head
+        what = news["what"]
+        if what == "started":
+            head.hosts[node] = news["host"]
+            first, last = news["ranks"][0], news["ranks"][-1]
+            span = f"rank {first}" if first == last else f"ranks {first}-{last}"
+            head.info(f"node {node} started", f"{news['host']} runs {span}")
+        elif what == "done":
+            head.done.add(node)
+            if head.control_sent is None:  # it stopped without being told to
+                head.errors.append((node, f"stopped its ranks on its own: {news['outcome']}"))
+        elif what == "error":
+            head.errors.append((node, news["message"]))
+        return []
+
+    def _remote_log(self, rank: int, text: str) -> None:
+        if self.run_dir is not None and rank not in self._logs:
+            self._logs[rank] = open(self.run_dir / f"rank{rank}.log", "ab")  # noqa: SIM115
+        self._log_text(rank, text)
+
+    def drain_output(self, timeout: float = 2.0) -> None:
+        """Drain this node's pipes, then wait (bounded) for every node to report it stopped."""
+        super().drain_output(timeout)
+        deadline = time.monotonic() + NODE_STOP_WAIT_S
+        waiting = set(range(1, self.head.plan.num_nodes)) - self.head.done
+        while waiting and time.monotonic() < deadline:
+            self.pull_remote()
+            waiting -= self.head.done
+            waiting -= set(self.head.silent_nodes())
+            if waiting:
+                time.sleep(0.05)
+        self.sink.flush()
+
+
+def _new_tail() -> Any:
+    import collections
+
+    from nblaunch.relay import TAIL_LINES
+
+    return collections.deque(maxlen=TAIL_LINES)
+
+
+class _NodeMonitor:
+    """Fails the run when another node breaks down or goes silent (its ranks then count as lost)."""
+
+    def __init__(self, head: Head) -> None:
+        self.head = head
+
+    def on_event(self, run: Run, event: dict[str, Any]) -> None:
+        pass
+
+    def check(self, run: Run) -> dict[str, Any] | None:
+        head = self.head
+        problems = [(node, message) for node, message in head.errors]
+        problems += [
+            (node, f"sent nothing for {NODE_SILENCE_S:g} s (its machine or network may be down)")
+            for node in head.silent_nodes()
+        ]
+        if not problems:
+            return None
+        node, message = problems[0]
+        plan = head.plan
+        first = node * plan.nproc_per_node
+        host = head.hosts.get(node, f"node {node}")
+        text = (
+            f"node {node} ({host}), ranks {first}-{first + plan.nproc_per_node - 1}, {message}; "
+            "the run was stopped on every node"
+        )
+        for rank in range(first, first + plan.nproc_per_node):
+            run.set_state(rank, RunState.FAILED, message[:200])
+        return {
+            "kind": "node",
+            "rank": first,
+            "message": text,
+            "secondary": False,
+            "title": f"node {node} ({host}) failed",
+            "exception": RankFailedError(text, rank=first, world_size=plan.world_size),
+        }
+
+
+class MultiNodeRun(Run):
+    """A :class:`~nblaunch.launcher.Run` whose ranks live on several nodes.
+
+    This node's ranks are supervised here as in a single-node run; the other nodes' events
+    arrive through :class:`NodesRelay`. The decisions (root cause, when to stop) are the
+    ordinary run's; stopping also tells every other node, through the store, to stop its ranks.
+    """
+
+    def __init__(self, plan: MultiNodePlan, view: EventSink, head: Head) -> None:
+        super().__init__(plan, view)
+        self.head = head
+        self.supervisor = _NodeSupervisor(plan.world_size, plan.start_method, plan.local_ranks)
+        self.monitors.append(_NodeMonitor(head))
+
+    def start(self) -> None:
+        """Start this node's ranks; the header was shown before the rendezvous."""
+        plan: MultiNodePlan = self.plan  # type: ignore[assignment]
+        self.supervisor.start()
+        self.relay = NodesRelay(self.supervisor.ranks, self.view, plan.run_dir, self.head)
+        for rank in range(plan.world_size):
+            self.set_state(rank, RunState.STARTING)
+        for rank in self.supervisor.ranks:
+            self.supervisor.send(rank, plan.setup_message(rank.rank))
+
+    def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
+        """Send the task to this node's ranks; the other nodes took theirs from the store."""
+        self.task_ranks = list(range(self.plan.world_size))
+        for rank in self.supervisor.ranks:
+            self.supervisor.send(rank, {"kind": TASK, "payload": payload, "task_id": task_id})
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        if event["kind"] == "death":
+            self._on_death(event["rank"], event["exitcode"])
+            self.outcome.failures[-1]["message"] += f" (on node {event['node']}, {event['host']})"
+            return
+        super()._on_event(event)
+
+    def _stop_on_interrupt(self) -> None:
+        self.head.control(CONTROL_INTERRUPT)
+        super()._stop_on_interrupt()
+
+    def _finish(self) -> None:
+        ok = len(self.outcome.results) == self.plan.world_size and self.outcome.root is None
+        self.head.control(CONTROL_OK if ok else CONTROL_STOP)
+        super()._finish()
