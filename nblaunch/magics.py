@@ -193,6 +193,27 @@ class DistributedMagics(Magics):
         "(tensors and modules moved to the CPU)",
     )
     @magic_arguments.argument(
+        "--nodes",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="run on N machines, -n ranks on each; the cell prints the command to run on the "
+        "other nodes (see docs/multinode.md)",
+    )
+    @magic_arguments.argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --nodes: the address on this machine where the other nodes join",
+    )
+    @magic_arguments.argument(
+        "--rdzv-timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="with --nodes: how long to wait for every node to join (default 600)",
+    )
+    @magic_arguments.argument(
         "--ranks",
         default=None,
         metavar="SPEC",
@@ -256,6 +277,9 @@ class DistributedMagics(Magics):
                         DEFAULT_HANG_TIMEOUT_S if args.hang_timeout is None else args.hang_timeout
                     ),
                     display="auto",
+                    num_nodes=args.nodes,
+                    rdzv_endpoint=args.rdzv_endpoint,
+                    rdzv_timeout=args.rdzv_timeout,
                 )
         except KeyboardInterrupt:
             raise
@@ -377,6 +401,8 @@ def _refuse_launch_options(args: Any) -> None:
             ("--start-method", args.start_method),
             ("--debug", args.debug),
             ("--log-level", args.log_level),
+            ("--nodes", None if args.nodes == 1 else args.nodes),
+            ("--rdzv-endpoint", args.rdzv_endpoint),
         )
         if value is not None
     ]

@@ -246,6 +246,19 @@ def test_bad_options_are_one_line_usage_errors(ip, line):
     assert "\n" not in str(info.value)
 
 
+def test_nodes_options_reach_the_multinode_launcher(ip):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    line = f"-n 1 --nodes 2 --rdzv-endpoint 127.0.0.1:{port} --rdzv-timeout 2"
+    joined = rf"only 1 of 2 nodes joined the rendezvous at 127.0.0.1:{port}"
+    with pytest.raises(UsageError, match=joined):
+        ip.run_cell_magic("distributed", line, "rank\n")
+    assert not rank_children()
+
+
 def test_help_lists_every_option(ip, capsys):
     doc = ip.find_cell_magic("distributed").__doc__
     for option in (
