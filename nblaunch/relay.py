@@ -28,6 +28,7 @@ from nblaunch.supervisor import RankProcess
 MAX_LINE_BYTES = 1 << 16
 READ_SIZE = 1 << 16
 TAIL_LINES = 20
+LOG_FLUSH_S = 0.5
 
 
 class Relay:
@@ -52,6 +53,7 @@ class Relay:
         self._conns: dict[int, RankProcess] = {}
         self.tails: dict[int, collections.deque[str]] = {}
         self.last_output: dict[int, float] = {}
+        self._logs_flushed = 0.0
         # in_order log records are lined up by (seq, rank) before the view sees them
         self.in_order = InOrderLog()
         if run_dir is not None:
@@ -92,14 +94,10 @@ class Relay:
         """
         received: list[dict[str, Any]] = []
         for key, _ in self._selector.select(timeout):
-            rank, fd = key.data
-            if fd == 0:
-                received.extend(self._read_events(rank, key.fd))
-            else:
-                self._read_output(rank, fd, key.fd)
+            received.extend(self._dispatch(key))
         for ready in self.in_order.poll():
             self.sink.handle(ready)
-        self.sink.flush()
+        self._flush()
         return received
 
     def drain_events(self, rank: int) -> list[dict[str, Any]]:
@@ -110,22 +108,12 @@ class Relay:
         return self._read_events(rank, process.conn.fileno())
 
     def drain_output(self, timeout: float = 2.0) -> None:
-        """Read output until every pipe closes or ``timeout`` passes; then flush partial lines."""
+        """Read output until every pipe closes or ``timeout`` passes; then end partial lines."""
         deadline = time.monotonic() + timeout
         while self._selector.get_map() and time.monotonic() < deadline:
             for key, _ in self._selector.select(max(0.0, deadline - time.monotonic())):
-                rank, fd = key.data
-                if fd == 0:
-                    self._read_events(rank, key.fd)
-                else:
-                    self._read_output(rank, fd, key.fd)
-        for (rank, fd), rest in list(self._partial.items()):
-            if rest:
-                self._emit_line(rank, fd, rest, carriage=False)
-        self._partial.clear()
-        for ready in self.in_order.flush():
-            self.sink.handle(ready)
-        self.sink.flush()
+                self._dispatch(key)
+        self._end_partial_lines()
 
     def drain_ready(self, limit_s: float = 0.5) -> list[dict[str, Any]]:
         """Read what the pipes hold right now, without waiting for more; end partial lines.
@@ -141,18 +129,8 @@ class Relay:
             if not ready:
                 break
             for key, _ in ready:
-                rank, fd = key.data
-                if fd == 0:
-                    received.extend(self._read_events(rank, key.fd))
-                else:
-                    self._read_output(rank, fd, key.fd)
-        for (rank, fd), rest in list(self._partial.items()):
-            if rest:
-                self._emit_line(rank, fd, rest, carriage=False)
-        self._partial.clear()
-        for ready in self.in_order.flush():
-            self.sink.handle(ready)
-        self.sink.flush()
+                received.extend(self._dispatch(key))
+        self._end_partial_lines()
         return received
 
     def close(self) -> None:
@@ -166,6 +144,33 @@ class Relay:
         self._logs.clear()
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _dispatch(self, key: selectors.SelectorKey) -> list[dict[str, Any]]:
+        """Read one ready pipe: an event pipe returns its events, an output pipe its lines."""
+        rank, fd = key.data
+        if fd == 0:
+            return self._read_events(rank, key.fd)
+        self._read_output(rank, fd, key.fd)
+        return []
+
+    def _end_partial_lines(self) -> None:
+        """Pass on unfinished lines and held in-order records: the task or run is over."""
+        for (rank, fd), rest in list(self._partial.items()):
+            if rest:
+                self._emit_lines(rank, fd, [_decode(rest)], carriage=False)
+        self._partial.clear()
+        for ready in self.in_order.flush():
+            self.sink.handle(ready)
+        self._flush(force=True)
+
+    def _flush(self, force: bool = False) -> None:
+        """Let the view render; write log files out about twice a second (or when forced)."""
+        self.sink.flush()
+        now = time.monotonic()
+        if force or now - self._logs_flushed > LOG_FLUSH_S:
+            self._logs_flushed = now
+            for log in self._logs.values():
+                log.flush()
 
     def _read_events(self, rank: int, fileno: int) -> list[dict[str, Any]]:
         process = self._conns[rank]
@@ -194,7 +199,7 @@ class Relay:
                 self._selector.unregister(fileno)
             rest = self._partial.pop((rank, fd), b"")
             if rest:
-                self._emit_line(rank, fd, rest, carriage=False)
+                self._emit_lines(rank, fd, [_decode(rest)], carriage=False)
             return
         self.last_output[rank] = time.time()
         log = self._logs.get(rank)
@@ -203,14 +208,15 @@ class Relay:
         self._split_lines(rank, fd, self._partial.pop((rank, fd), b"") + data)
 
     def _split_lines(self, rank: int, fd: int, buffer: bytes) -> None:
-        if b"\r" not in buffer:  # the common case, kept fast
-            *lines, rest = buffer.split(b"\n")
-            for line in lines:
-                self._emit_line(rank, fd, line, carriage=False)
+        if b"\r" not in buffer:  # the common case, kept fast: whole lines in one go
+            end = buffer.rfind(b"\n") + 1
+            if end:
+                self._emit_lines(rank, fd, _decode(buffer[: end - 1]).split("\n"), carriage=False)
+            rest = buffer[end:]
         else:
             rest = self._split_carriage(rank, fd, buffer)
         while len(rest) > MAX_LINE_BYTES:
-            self._emit_line(rank, fd, rest[:MAX_LINE_BYTES], carriage=False)
+            self._emit_lines(rank, fd, [_decode(rest[:MAX_LINE_BYTES])], carriage=False)
             rest = rest[MAX_LINE_BYTES:]
         if rest:
             self._partial[(rank, fd)] = rest
@@ -225,32 +231,38 @@ class Relay:
             if newline < 0 and carriage < 0:
                 break
             if carriage < 0 or (0 <= newline < carriage):
-                self._emit_line(rank, fd, buffer[start:newline], carriage=False)
+                self._emit_lines(rank, fd, [_decode(buffer[start:newline])], carriage=False)
                 start = newline + 1
             elif carriage == size - 1:
                 break  # a "\r" at the end may be the first half of "\r\n": wait for more
             elif buffer[carriage + 1 : carriage + 2] == b"\n":
-                self._emit_line(rank, fd, buffer[start:carriage], carriage=False)
+                self._emit_lines(rank, fd, [_decode(buffer[start:carriage])], carriage=False)
                 start = carriage + 2
             else:
-                self._emit_line(rank, fd, buffer[start:carriage], carriage=True)
+                self._emit_lines(rank, fd, [_decode(buffer[start:carriage])], carriage=True)
                 start = carriage + 1
         return buffer[start:]
 
-    def _emit_line(self, rank: int, fd: int, raw: bytes, *, carriage: bool) -> None:
-        text = raw.decode("utf-8", errors="replace")
+    def _emit_lines(self, rank: int, fd: int, texts: list[str], *, carriage: bool) -> None:
         if not carriage:
-            self.tails[rank].append(text)
-        event: Stream = {
-            "kind": "stream",
-            "rank": rank,
-            "fd": fd,
-            "text": text,
-            "carriage": carriage,
-        }
-        self.sink.handle(event)
+            self.tails[rank].extend(texts[-TAIL_LINES:])
+        handle = self.sink.handle
+        for text in texts:
+            event: Stream = {
+                "kind": "stream",
+                "rank": rank,
+                "fd": fd,
+                "text": text,
+                "carriage": carriage,
+            }
+            handle(event)
 
     def _log_text(self, rank: int, text: str) -> None:
         log = self._logs.get(rank)
         if log is not None:
             log.write(text.encode("utf-8", errors="replace"))
+
+
+def _decode(raw: bytes) -> str:
+    """Text of a rank's bytes; invalid UTF-8 becomes U+FFFD instead of breaking the view."""
+    return raw.decode("utf-8", errors="replace")
