@@ -52,6 +52,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nblaunch import tracebacks
 from nblaunch.errors import LaunchError
 
 # Bound by the task on every rank; never taken from the notebook.
@@ -626,7 +627,7 @@ def localize_tracebacks(exc: BaseException, filename: str) -> BaseException:
     died, a hang, a timeout), its traceback is the cell's first line, the ``%%distributed``
     line, instead of the launcher's internals. Returns ``exc``.
     """
-    exc.__traceback__ = cell_traceback(exc.__traceback__, filename) or _rebuilt_traceback(
+    exc.__traceback__ = cell_traceback(exc.__traceback__, filename) or tracebacks.rebuild(
         [(filename, "<module>", 1, {})]
     )
     pending: list[BaseException | None] = [exc.__cause__, exc.__context__]
@@ -649,51 +650,8 @@ def cell_traceback(tb: types.TracebackType | None, filename: str) -> types.Trace
     line, which makes IPython number a cell file's lines wrongly (it shows the cell's first
     lines against the failing line's number).
     """
-    current = tb
-    while current is not None and current.tb_frame.f_code.co_filename != filename:
-        current = current.tb_next
-    entries = []
-    while current is not None:
-        code = current.tb_frame.f_code
-        entries.append(
-            (code.co_filename, code.co_name, current.tb_lineno, current.tb_frame.f_globals)
-        )
-        current = current.tb_next
-    return _rebuilt_traceback(entries)
-
-
-class _TracebackMaker(Exception):
-    pass
-
-
-def _rebuilt_traceback(
-    entries: list[tuple[str, str, int, dict[str, Any]]],
-) -> types.TracebackType | None:
-    """A real traceback through ``(file name, function name, line, globals)`` frames.
-
-    Each frame runs a stub compiled under the frame's file name that starts at line 1 and
-    raises at the frame's line, so the traceback formats like one from the original code.
-    """
-    top: types.TracebackType | None = None
-    previous: types.TracebackType | None = None
-    for filename, name, lineno, frame_globals in entries:
-        stub = compile("\n" * (max(lineno, 1) - 1) + "raise __traceback_maker", filename, "exec")
-        changes = {"co_name": name}
-        if sys.version_info >= (3, 11):  # tracebacks name frames by their qualified name
-            changes["co_qualname"] = name
-        stub = stub.replace(**changes)
-        namespace = {k: frame_globals[k] for k in ("__name__", "__file__") if k in frame_globals}
-        namespace["__traceback_maker"] = _TracebackMaker()  # fresh: a raised one keeps its tb
-        try:
-            exec(stub, namespace)
-        except _TracebackMaker:
-            made = sys.exc_info()[2]
-            made = made.tb_next if made is not None else None
-        if made is None:  # pragma: no cover - exec always adds the stub's frame
-            continue
-        if previous is None:
-            top = made
-        else:
-            previous.tb_next = made
-        previous = made
-    return top
+    entries = tracebacks.frames(tb)
+    for start, (frame_file, *_) in enumerate(entries):
+        if frame_file == filename:
+            return tracebacks.rebuild(entries[start:])
+    return None

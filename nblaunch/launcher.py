@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from nblaunch import errors
+from nblaunch import errors, tracebacks
 from nblaunch.errors import LaunchError, LaunchTimeoutError, RankFailedError
 from nblaunch.events import Event, EventSink, RunState
 from nblaunch.relay import Relay
@@ -213,6 +213,7 @@ def notebook_launcher(
     KeyboardInterrupt
         The launch was interrupted; every rank has been stopped.
     """
+    __tracebackhide__ = True  # the rank's traceback matters, not the launcher's frames
     from nblaunch.pool import refuse_if_running
 
     refuse_if_running("notebook_launcher")  # a persistent pool holds the devices
@@ -590,6 +591,7 @@ class Run:
 
     def execute(self, payload: bytes) -> list[Any]:
         """Run the payload on every rank and return the results, or raise the root cause."""
+        __tracebackhide__ = True
         interrupted = False
         try:
             self.start()
@@ -867,6 +869,7 @@ class Run:
 
     def _conclude(self) -> list[Any]:
         """Return the results by rank, or raise the root cause."""
+        __tracebackhide__ = True
         import cloudpickle
 
         outcome = self.outcome
@@ -971,7 +974,7 @@ def _recreate_exception(failure: dict[str, Any], world_size: int) -> BaseExcepti
 
             exc = pickle.loads(failure["exception_bytes"])
             if isinstance(exc, BaseException):
-                return exc
+                return tracebacks.make_readable(exc)
         except Exception:
             pass
     return RankFailedError(

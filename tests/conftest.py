@@ -8,6 +8,7 @@ Each test runs in a temporary working directory, so run directories land there.
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import pytest
@@ -49,3 +50,84 @@ def rank_children() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return ranks
+
+
+class Kernel:
+    """A real IPython kernel (jupyter_client, as nbclient drives it) to run cells in.
+
+    jupyter_client directly, rather than nbclient, because the tests press the interrupt
+    button (``interrupt_kernel``) and kill kernels.
+    """
+
+    def __init__(self, cwd) -> None:
+        from jupyter_client.manager import KernelManager
+
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel(cwd=str(cwd), env={**os.environ})
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+
+    def run(self, code: str, timeout: float = 60, interrupt_after: float | None = None) -> dict:
+        """Run one cell; return its printed text, result, error name and message, and seconds."""
+        msg_id = self.client.execute(code)
+        cell = {
+            "out": "",
+            "result": None,
+            "error": None,
+            "message": "",
+            "traceback": [],
+            "seconds": 0.0,
+        }
+        began = time.monotonic()
+        interrupted = False
+        while time.monotonic() - began < timeout:
+            if interrupt_after and not interrupted and time.monotonic() - began > interrupt_after:
+                self.manager.interrupt_kernel()  # the notebook's interrupt button
+                interrupted = True
+            try:
+                msg = self.client.get_iopub_msg(timeout=0.05)
+            except Exception:  # queue.Empty
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                cell["out"] += content["text"]
+            elif kind == "execute_result":
+                cell["result"] = content["data"].get("text/plain")
+            elif kind == "error":
+                cell["error"], cell["message"] = content["ename"], content["evalue"]
+                cell["traceback"] = [_plain(line) for line in content["traceback"]]
+            elif kind == "status" and content["execution_state"] == "idle":
+                cell["seconds"] = time.monotonic() - began
+                return cell
+        raise TimeoutError(f"cell did not finish within {timeout} s: {code!r}")
+
+    def pid(self) -> int:
+        return int(self.run("import os\nprint(os.getpid())")["out"])
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        if self.manager.has_kernel:
+            self.manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    kernel = Kernel(tmp_path)
+    yield kernel
+    kernel.close()
+
+
+def kernel_pool_pids(kernel: Kernel) -> list[int]:
+    """The pids of the pool running in ``kernel``."""
+    cell = kernel.run("import nblaunch.pool\nprint(nblaunch.pool.current_pool().pids)")
+    return [int(p) for p in cell["out"].strip()[1:-1].split(",")]
+
+
+def _plain(text: str) -> str:
+    """``text`` without ANSI colour codes."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)

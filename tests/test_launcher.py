@@ -455,3 +455,43 @@ def _not_zombie(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# --- in a real notebook kernel -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_in_a_kernel_errors_show_the_cell_line_and_interrupt_stops_every_rank(kernel):
+    setup = kernel.run(
+        "import nblaunch\n"
+        "from nblaunch import notebook_launcher\n"
+        "def train(seconds):\n"
+        "    import time\n"
+        "    if nblaunch.rank() == 1:\n"
+        "        raise ValueError('boom on rank 1')\n"
+        "    time.sleep(seconds)\n"
+    )
+    assert setup["error"] is None, setup
+    failed = kernel.run("notebook_launcher(train, (0,), 2, display='text')", timeout=120)
+    assert (failed["error"], failed["message"]) == ("ValueError", "boom on rank 1"), failed
+    traceback_text = "\n".join(failed["traceback"])
+    assert "raise ValueError('boom on rank 1')" in traceback_text  # the line that raised
+    assert "launcher.py" not in traceback_text  # the launcher's own frames are hidden
+
+    interrupted = kernel.run(
+        "notebook_launcher(lambda: __import__('time').sleep(60), (), 2, display='text')",
+        interrupt_after=3.0,
+        timeout=60,
+    )
+    assert interrupted["error"] == "KeyboardInterrupt", interrupted
+    assert interrupted["seconds"] < 3.0 + 5.0
+    ranks_left = kernel.run(
+        "import psutil\n"
+        "from multiprocessing import forkserver as fs, resource_tracker as rt\n"
+        "helpers = {fs._forkserver._forkserver_pid, rt._resource_tracker._pid}\n"
+        "print(len([c for c in psutil.Process().children(recursive=True)\n"
+        "           if c.pid not in helpers and c.status() != psutil.STATUS_ZOMBIE]))"
+    )
+    assert ranks_left["out"].strip() == "0", ranks_left
+    again = kernel.run("notebook_launcher(lambda: nblaunch.rank(), (), 2, display='none')")
+    assert again["result"] == "[0, 1]", again

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import psutil
 import pytest
-from conftest import rank_children, wait_until
+from conftest import kernel_pool_pids, rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
@@ -373,66 +373,6 @@ def _alive(pid: int | None) -> bool:
 # --- in a real kernel: the magics, the interrupt button, kernel death --------------------------
 
 
-class Kernel:
-    """A real IPython kernel (jupyter_client, as nbclient drives it) to run cells in."""
-
-    def __init__(self, cwd) -> None:
-        from jupyter_client.manager import KernelManager
-
-        self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel(cwd=str(cwd), env={**os.environ})
-        self.client = self.manager.client()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
-
-    def run(self, code: str, timeout: float = 60, interrupt_after: float | None = None) -> dict:
-        """Run one cell; return its printed text, result, error name and message, and seconds."""
-        msg_id = self.client.execute(code)
-        cell = {"out": "", "result": None, "error": None, "message": "", "seconds": 0.0}
-        began = time.monotonic()
-        interrupted = False
-        while time.monotonic() - began < timeout:
-            if interrupt_after and not interrupted and time.monotonic() - began > interrupt_after:
-                self.manager.interrupt_kernel()  # the notebook's interrupt button
-                interrupted = True
-            try:
-                msg = self.client.get_iopub_msg(timeout=0.05)
-            except Exception:  # queue.Empty
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                cell["out"] += content["text"]
-            elif kind == "execute_result":
-                cell["result"] = content["data"].get("text/plain")
-            elif kind == "error":
-                cell["error"], cell["message"] = content["ename"], content["evalue"]
-            elif kind == "status" and content["execution_state"] == "idle":
-                cell["seconds"] = time.monotonic() - began
-                return cell
-        raise TimeoutError(f"cell did not finish within {timeout} s: {code!r}")
-
-    def pids(self) -> list[int]:
-        cell = self.run("import nblaunch.pool\nprint(nblaunch.pool.current_pool().pids)")
-        return [int(p) for p in cell["out"].strip()[1:-1].split(",")]
-
-    def pid(self) -> int:
-        return int(self.run("import os\nprint(os.getpid())")["out"])
-
-    def close(self) -> None:
-        self.client.stop_channels()
-        if self.manager.has_kernel:
-            self.manager.shutdown_kernel(now=True)
-
-
-@pytest.fixture
-def kernel(tmp_path):
-    kernel = Kernel(tmp_path)
-    yield kernel
-    kernel.close()
-
-
 @pytest.mark.slow
 def test_kernel_cells_keep_state_and_survive_interrupts_and_dead_ranks(kernel):
     assert kernel.run("%load_ext nblaunch")["error"] is None
@@ -450,14 +390,14 @@ def test_kernel_cells_keep_state_and_survive_interrupts_and_dead_ranks(kernel):
     assert "idle" in status and "x" in status, status
 
     # The interrupt button: KeyboardInterrupt in the cell, the ranks keep their state.
-    pids = kernel.pids()
+    pids = kernel_pool_pids(kernel)
     cell = kernel.run(
         "%%distributed\nimport time\nfor _ in range(600):\n    time.sleep(0.05)",
         interrupt_after=2.0,
     )
     assert cell["error"] == "KeyboardInterrupt", cell
     assert cell["seconds"] < 2.0 + 4.0
-    assert kernel.pids() == pids
+    assert kernel_pool_pids(kernel) == pids
     assert kernel.run("%%distributed\nx.item()")["result"] == "3.0"
 
     # A dead rank fails its cell with the cause; the next cell says what to do, at once.
@@ -472,7 +412,7 @@ def test_kernel_cells_keep_state_and_survive_interrupts_and_dead_ranks(kernel):
     assert "%dist restart" in cell["out"] + cell["message"] and cell["seconds"] < 2, cell
     assert "fresh rank(s)" in kernel.run("%dist restart", timeout=120)["out"]
     assert kernel.run("%%distributed\n'x' in dir()")["result"] == "False"
-    new_pids = kernel.pids()
+    new_pids = kernel_pool_pids(kernel)
     assert "stopped 2 rank(s)" in kernel.run("%dist stop")["out"]
     assert wait_until(lambda: not any(_alive(pid) for pid in new_pids), timeout=5)
 
@@ -481,7 +421,7 @@ def test_kernel_cells_keep_state_and_survive_interrupts_and_dead_ranks(kernel):
 @pytest.mark.parametrize("end", ["kill", "shutdown"])
 def test_no_rank_survives_its_kernel(kernel, end):
     kernel.run("import nblaunch\npool = nblaunch.start_pool(2, device_type='cpu')", timeout=120)
-    pids = kernel.pids()
+    pids = kernel_pool_pids(kernel)
     assert all(_alive(pid) for pid in pids)
     if end == "kill":
         os.kill(kernel.pid(), signal.SIGKILL)
