@@ -33,8 +33,10 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The comparisons need the other tools (Accelerate, nbdistributed, ipyparallel) installed.
 bench: install
-	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+	$(PIP) install -q -e ".[dev,bench]"
+	for b in benchmarks/bench_*.py; do echo "### $$b"; $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) .nblaunch .pytest_cache

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import pickle
 import secrets
@@ -312,7 +313,8 @@ def plan_launch(
         if device_type == "cpu":
             num_processes = 1
             warnings.append(
-                "no GPU found: running 1 CPU rank; pass num_processes=N for more CPU ranks"
+                "no GPU found: running 1 CPU rank; pass num_processes=N (%%distributed -n N) "
+                "for more CPU ranks"
             )
         else:
             num_processes = device_count
@@ -388,6 +390,7 @@ def _xla_available() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
+@functools.lru_cache(maxsize=16)
 def _is_loopback(address: str) -> bool:
     try:
         return socket.gethostbyname(address).startswith("127.")
@@ -395,6 +398,7 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
 def loopback_interface() -> str | None:
     """Name of the network interface that carries 127.0.0.1 ("lo" on Linux)."""
     import psutil
@@ -815,13 +819,14 @@ class Run:
                     supervisor.send(rank, {"kind": STOP})
                 self._relay_until_exited(timeout=5.0)
             else:
+                reason = self._stop_reason()
                 for rank in range(self.plan.world_size):
                     if rank not in self.outcome.finished and self.states.get(rank) in (
                         RunState.STARTING,
                         RunState.RUNNING,
                         RunState.STALLED,
                     ):
-                        self.set_state(rank, RunState.STOPPED, "stopped after another rank failed")
+                        self.set_state(rank, RunState.STOPPED, reason)
             supervisor.stop(grace=STOP_GRACE_S)
         except KeyboardInterrupt:
             supervisor.stop(grace=0.0)
@@ -833,6 +838,17 @@ class Run:
                 self.relay.close()
             supervisor.close()
             self.view.close()
+
+    def _stop_reason(self) -> str:
+        """Why the ranks still running are being stopped, for their badges."""
+        root = self.outcome.root or {}
+        if root.get("kind") == "hang":
+            return "stopped: the ranks could not make progress (see the error)"
+        if root.get("kind") == "timeout":
+            return f"stopped: timeout={self.plan.timeout:g} s ran out"
+        if "rank" in root:
+            return f"stopped after rank {root['rank']} failed"
+        return "stopped"
 
     def _relay_until_exited(self, timeout: float) -> None:
         """Keep reading output while ranks shut down, so none blocks on a full pipe."""
@@ -857,7 +873,8 @@ class Run:
                 elif failure["kind"] == "death":
                     outcomes[rank] = failure["message"]
                 else:
-                    outcomes[rank] = f"{_short_type(failure['exc_type'])}: {failure['message']}"
+                    first_line = (failure["message"].splitlines() or [""])[0]
+                    outcomes[rank] = f"{_short_type(failure['exc_type'])}: {first_line}"
         return {
             "kind": "run_ended",
             "ok": ok,

@@ -26,7 +26,7 @@ from nblaunch.supervisor import RankProcess
 
 # A line longer than this is passed on in pieces rather than held in memory until its end.
 MAX_LINE_BYTES = 1 << 16
-READ_SIZE = 1 << 16
+READ_SIZE = 1 << 20
 TAIL_LINES = 20
 LOG_FLUSH_S = 0.5
 

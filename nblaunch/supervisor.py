@@ -31,6 +31,7 @@ from nblaunch.errors import LaunchError
 from nblaunch.worker import RANK_FEATURES
 
 START_METHODS = ("forkserver", "spawn", "fork")
+PIPE_SIZE = 1 << 20
 # Modules the forkserver imports once, so that every rank it forks has them already.
 FORKSERVER_PRELOAD = [
     "torch",
@@ -90,6 +91,7 @@ class Supervisor:
                     conn, child_conn = context.Pipe(duplex=True)
                     stdout_r, stdout_w = context.Pipe(duplex=False)
                     stderr_r, stderr_w = context.Pipe(duplex=False)
+                    _enlarge_pipe(stdout_w.fileno())
                     process = context.Process(
                         target=worker.main,
                         args=(rank, child_conn, stdout_w, stderr_w, os.getpid()),
@@ -221,6 +223,15 @@ def _main_module_hidden() -> Iterator[None]:
         yield
     finally:
         sys.modules["__main__"] = real_main
+
+
+def _enlarge_pipe(fd: int) -> None:
+    """Give a rank's stdout pipe room for ~1 MiB, so a fast-printing rank and the relay wake
+    each other far less often (Linux only; best effort)."""
+    import fcntl
+
+    with contextlib.suppress(AttributeError, OSError):
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
 
 
 def _signal_pid(pid: int | None, signum: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import html
+import itertools
 import os
 import re
 import signal
@@ -35,7 +36,8 @@ class TextView:
     """Prints every event as ``[rank N]``-prefixed text; for terminals, scripts and logs.
 
     Output is batched and written at most ``max_rate`` times a second, so fast ranks cost few
-    writes; a ``\\r`` progress line is printed at most once a second per rank.
+    writes; a ``\\r`` progress line is printed at most once a second per rank. Ranks' stderr,
+    logs and nblaunch's notes go to stderr, the rest to stdout, in the order they happened.
     """
 
     def __init__(
@@ -47,8 +49,7 @@ class TextView:
     ) -> None:
         self._stdout = stdout
         self._stderr = stderr
-        self._out: list[str] = []
-        self._err: list[str] = []
+        self._pending: list[tuple[bool, str]] = []  # (to stderr?, text), in arrival order
         self._interval = 1.0 / max_rate
         self._last_flush = 0.0
         self._last_carriage: dict[int, float] = {}
@@ -71,12 +72,13 @@ class TextView:
                 if now - self._last_carriage.get(rank, 0.0) < 1.0:
                     return
                 self._last_carriage[rank] = now
-            target = self._err if event["fd"] == 2 else self._out
-            target.append(f"[rank {rank}] {event['text']}\n")
+            self._pending.append((event["fd"] == 2, f"[rank {rank}] {event['text']}\n"))
         elif kind == "log":
-            self._err.append(f"[rank {event['rank']}] {event['level']} {event['message']}\n")
+            self._pending.append(
+                (True, f"[rank {event['rank']}] {event['level']} {event['message']}\n")
+            )
         elif kind == "progress":
-            self._out.append(f"[rank {event['rank']}] {event['text']}\n")
+            self._pending.append((False, f"[rank {event['rank']}] {event['text']}\n"))
         elif kind == "run_info":
             self.world_size = event["world_size"]
             line = (
@@ -85,32 +87,30 @@ class TextView:
             )
             if event["run_dir"]:
                 line += f", logs in {event['run_dir']}"
-            self._out.append(line + "\n")
-            self._out.extend(f"nblaunch: warning: {w}\n" for w in event["warnings"])
+            self._pending.append((False, line + "\n"))
+            self._pending.extend((False, f"nblaunch: warning: {w}\n") for w in event["warnings"])
         elif kind == "state":
             if event["state"] in (RunState.STALLED, RunState.RETRYING) and event["detail"]:
-                self._err.append(
-                    f"[rank {event['rank']}] {event['state'].value}: {event['detail']}\n"
+                self._pending.append(
+                    (True, f"[rank {event['rank']}] {event['state'].value}: {event['detail']}\n")
                 )
         elif kind == "diagnosis":
             if event["severity"] != "error":  # errors are raised; the traceback shows them
-                self._err.append(f"nblaunch: {event['title']}\n{event['body']}\n")
+                self._pending.append((True, f"nblaunch: {event['title']}\n{event['body']}\n"))
         elif kind == "run_ended":
-            self._out.append(_summary_text(event["ok"], event["elapsed_s"], event["ranks"]))
+            summary = _summary_text(event["ok"], event["elapsed_s"], event["ranks"])
+            self._pending.append((False, summary))
 
     def flush(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_flush < self._interval:
             return
         self._last_flush = now
-        if self._out:
-            self.stdout.write("".join(self._out))
-            self._out.clear()
-            self.stdout.flush()
-        if self._err:
-            self.stderr.write("".join(self._err))
-            self._err.clear()
-            self.stderr.flush()
+        pending, self._pending = self._pending, []
+        for to_stderr, texts in itertools.groupby(pending, key=lambda item: item[0]):
+            stream = self.stderr if to_stderr else self.stdout
+            stream.write("".join(text for _, text in texts))
+            stream.flush()
 
     def close(self) -> None:
         self.flush(force=True)
