@@ -116,6 +116,30 @@ class TextView:
         self.flush(force=True)
 
 
+class RecordingView:
+    """Keeps every event it is given, in order: a view for tests and for code that inspects a run.
+
+    ``notebook_launcher``'s views are chosen by ``display=``; pass this one to
+    ``launcher.Run(plan, RecordingView())`` to look at exactly what a view would have been shown.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def handle(self, event: Event) -> None:
+        self.events.append(event)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def of(self, kind: str) -> list[Event]:
+        """The events of one kind (``"stream"``, ``"log"``, ``"state"``, ...)."""
+        return [event for event in self.events if event["kind"] == kind]
+
+
 class NullView:
     """Shows nothing (``display="none"``); the per-rank log files are still written."""
 

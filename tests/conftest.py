@@ -7,11 +7,18 @@ Each test runs in a temporary working directory, so run directories land there.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
 @pytest.fixture(autouse=True)
@@ -131,3 +138,12 @@ def _plain(text: str) -> str:
     import re
 
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def load_run_notebook():
+    """``scripts/run_notebook.py`` (what ``make demo`` runs) as a module."""
+    spec = importlib.util.spec_from_file_location("run_notebook", ROOT / "scripts/run_notebook.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["run_notebook"] = module
+    spec.loader.exec_module(module)
+    return module

@@ -12,22 +12,11 @@ import pytest
 from nblaunch import get_logger, notebook_launcher
 from nblaunch.launcher import Run, plan_launch, serialize_payload
 from nblaunch.logging import InOrderLog, RankLogger
+from nblaunch.widgets import RecordingView
 
 
-class Recorder:
+class Recorder(RecordingView):
     """A view that keeps every event, in the order the relay hands them over."""
-
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def handle(self, event) -> None:
-        self.events.append(event)
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     def logs(self) -> list[str]:
         return [

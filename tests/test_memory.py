@@ -26,24 +26,13 @@ from nblaunch.memory import (
     render_attempts,
     set_seed,
 )
+from nblaunch.widgets import RecordingView
 
 REAL_OOM_BYTES = 10**13  # 10 TB: more than any test machine's RAM and swap
 
 
-class Recorder:
+class Recorder(RecordingView):
     """A view that keeps every event."""
-
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def handle(self, event) -> None:
-        self.events.append(event)
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     def progress(self) -> list[dict]:
         whats = ("batch_size", "effective_batch_size")

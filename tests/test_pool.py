@@ -20,25 +20,17 @@ import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
 from nblaunch import pool as pool_module
 from nblaunch.pool import Pool, PoolState, parse_ranks, rank_namespace, start_pool
+from nblaunch.widgets import RecordingView
 
 
-class Recorder:
+class Recorder(RecordingView):
     """A view that keeps every event, one list per task, so tests can see where output went."""
 
     tasks: ClassVar[list[list[dict]]] = []
 
     def __init__(self) -> None:
-        self.events: list[dict] = []
+        super().__init__()
         Recorder.tasks.append(self.events)
-
-    def handle(self, event) -> None:
-        self.events.append(event)
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def lines(events, rank=None):

@@ -6,28 +6,17 @@ import importlib.util
 import queue
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import ROOT, WIDGET_STATE, WIDGET_VIEW, load_run_notebook
 
-ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
-def _load_run_notebook():
-    spec = importlib.util.spec_from_file_location("run_notebook", ROOT / "scripts/run_notebook.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_notebook"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-run_notebook = _load_run_notebook()
+run_notebook = load_run_notebook()
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,10 @@ import pytest
 
 from nblaunch.relay import MAX_LINE_BYTES, Relay
 from nblaunch.supervisor import RankProcess
+from nblaunch.widgets import RecordingView
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def handle(self, event) -> None:
-        self.events.append(event)
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
+class Recorder(RecordingView):
     def lines(self, rank: int | None = None) -> list[tuple[str, bool]]:
         return [
             (e["text"], e["carriage"])

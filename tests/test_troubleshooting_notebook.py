@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import html
-import importlib.util
 import re
 import shutil
-import sys
-from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import ROOT, WIDGET_STATE, WIDGET_VIEW, load_run_notebook
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "troubleshooting.ipynb"
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
-
-
-def _load_run_notebook():
-    spec = importlib.util.spec_from_file_location("run_notebook", ROOT / "scripts/run_notebook.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_notebook"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +20,7 @@ def executed(tmp_path_factory) -> nbformat.NotebookNode:
     path = workdir / NOTEBOOK.name
     shutil.copy(NOTEBOOK, path)
     notebook = nbformat.read(path, as_version=4)
-    _load_run_notebook().execute(notebook, path, timeout=240)
+    load_run_notebook().execute(notebook, path, timeout=240)
     return notebook
 
 
