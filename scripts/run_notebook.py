@@ -12,6 +12,7 @@ and errors with their traceback. The exit status is 1 when a cell raised.
 from __future__ import annotations
 
 import argparse
+import html
 import re
 import sys
 import time
@@ -22,6 +23,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
 def execute(notebook: nbformat.NotebookNode, path: Path, timeout: float = 300.0) -> None:
@@ -58,12 +60,36 @@ def describe(notebook: nbformat.NotebookNode) -> str:
             elif kind in ("display_data", "execute_result"):
                 data = output.get("data", {})
                 if "application/vnd.jupyter.widget-view+json" in data:
-                    lines.append("[live rank view (widget)]")
+                    model_id = data["application/vnd.jupyter.widget-view+json"]["model_id"]
+                    lines.append("[live rank view (widget)], its All ranks log:")
+                    lines += [f"  {line}" for line in all_ranks_log(notebook, model_id)]
                 elif "text/plain" in data:
                     lines.append(data["text/plain"])
             elif kind == "error":
                 lines.append(_ANSI.sub("", "\n".join(output.traceback)))
     return "\n".join(lines)
+
+
+def all_ranks_log(notebook: nbformat.NotebookNode, model_id: str) -> list[str]:
+    """The lines of a saved live view's "All ranks" tab, from the notebook's widget state."""
+    state = notebook.metadata.get("widgets", {}).get(_WIDGET_STATE, {}).get("state", {})
+    pending, seen = [model_id], set()
+    while pending:  # walk the widget tree from the view's root to its "All ranks" tab
+        current = pending.pop(0)
+        model = state.get(current, {}).get("state", {})
+        if current in seen or not model:
+            continue
+        seen.add(current)
+        if model.get("titles", [None])[0] == "All ranks" and model.get("children"):
+            log = state.get(model["children"][0].removeprefix("IPY_MODEL_"), {})
+            text = re.sub(r"<[^>]+>", "", log.get("state", {}).get("value", ""))
+            return [line for line in html.unescape(text).splitlines() if line.strip()]
+        for value in model.values():
+            refs = value if isinstance(value, list) else [value]
+            pending += [
+                r.removeprefix("IPY_MODEL_") for r in refs if str(r).startswith("IPY_MODEL_")
+            ]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:

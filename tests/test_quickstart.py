@@ -99,6 +99,16 @@ def test_saved_widget_state_shows_both_ranks_done_and_their_lines(executed):
     assert "10%" not in rank1 and everything.count("evaluating ########## 100%") == 2
 
 
+@pytest.mark.slow
+def test_make_demo_prints_what_the_view_showed(executed):
+    notebook, _ = executed
+    shown = run_notebook.describe(notebook)
+    assert "[live rank view (widget)], its All ranks log:" in shown
+    assert "  [1] rank 1 step 7: all_reduce -> 15" in shown.splitlines()
+    assert "  [0] rank 0 step 7: all_reduce -> 15" in shown.splitlines()
+    assert "rank 1: DONE · returned" in shown
+
+
 # --- the Stop button, clicked while the launcher keeps the kernel's main thread busy -------------
 
 STOP_CODE = """
