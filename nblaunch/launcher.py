@@ -615,12 +615,11 @@ class Run:
 
     def start(self) -> None:
         """Start the ranks, open the relay, announce the run and send every rank its setup."""
-        self.supervisor.start()
+        self.supervisor.start(setup=self.plan.setup_message)
         self.relay = Relay(self.supervisor.ranks, self.view, self.plan.run_dir)
         self.announce()
         for rank in self.supervisor.ranks:
             self.set_state(rank.rank, RunState.STARTING)
-            self.supervisor.send(rank, self.plan.setup_message(rank.rank))
 
     def announce(self, warnings: list[str] | None = None) -> None:
         """Publish the run's header (``RunInfo``); a pool sends one per task, to each new view."""
@@ -751,11 +750,10 @@ class Run:
         self.outcome = _Outcome()
         self.monitors = make_monitors(self.plan)  # fresh processes, fresh observations
         self.supervisor = Supervisor(self.plan.world_size, self.plan.start_method)
-        self.supervisor.start()
+        self.supervisor.start(setup=self.plan.setup_message)
         for rank in self.supervisor.ranks:
             self.relay.add(rank)
             self.set_state(rank.rank, RunState.STARTING, request["message"])
-            self.supervisor.send(rank, self.plan.setup_message(rank.rank))
         self.send_task(payload)
 
     def _on_death(self, rank: int, exitcode: int | None) -> None:

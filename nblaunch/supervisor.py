@@ -22,7 +22,7 @@ import sys
 import time
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -69,8 +69,15 @@ class Supervisor:
     start_method: str = "forkserver"
     ranks: list[RankProcess] = field(default_factory=list)
 
-    def start(self, rank_ids: list[int] | None = None) -> None:
+    def start(
+        self,
+        rank_ids: list[int] | None = None,
+        setup: Callable[[int], dict[str, Any]] | None = None,
+    ) -> None:
         """Start one process per rank, running :func:`nblaunch.worker.main`.
+
+        ``setup(rank)``, when given, is sent to each rank as soon as its process exists, so a
+        rank sets itself up while the next one is still being started.
 
         Raises
         ------
@@ -104,6 +111,8 @@ class Supervisor:
                         for end in (child_conn, stdout_w, stderr_w):
                             end.close()
                     self.ranks.append(RankProcess(rank, process, conn, stdout_r, stderr_r))
+                    if setup is not None:
+                        self.send(self.ranks[-1], setup(rank))
         except BaseException:
             self.stop(grace=1.0)
             raise
