@@ -142,9 +142,13 @@ def main(
         pass  # the parent went away; nothing left to report to
     finally:
         _tear_down()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        _flush_output()
+
+
+def _flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _redirect_output(stdout_w: Connection, stderr_w: Connection) -> None:
@@ -341,15 +345,11 @@ def _run_task(message: dict[str, Any]) -> None:
                 f"the function returned a {type(value).__name__} that cannot be pickled back "
                 f"to the notebook ({exc}); return plain data, tensors or a state_dict instead"
             ) from None
-        emit({"kind": "result", "rank": rank, "value_bytes": value_bytes})
+        outcome: Event = {"kind": "result", "rank": rank, "value_bytes": value_bytes}
     except BaseException as exc:  # KeyboardInterrupt and SystemExit are reported too
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        emit(failure_event(rank, exc))
-    for stream in (sys.stdout, sys.stderr):  # a last line without "\n" belongs to this task
-        with contextlib.suppress(Exception):
-            stream.flush()
+        outcome = failure_event(rank, exc)
+    _flush_output()  # what the task printed, even a last line without "\n", comes first
+    emit(outcome)
     emit({"kind": "finished", "rank": rank})
 
 
