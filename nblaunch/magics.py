@@ -27,6 +27,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nblaunch.errors import LaunchError
+from nblaunch.worker import import_features
 
 if TYPE_CHECKING:
     from nblaunch.cell import CellTask
@@ -85,17 +86,8 @@ def unregister_dist_command(name: str) -> None:
 
 def dist_commands() -> dict[str, DistCommand]:
     """The ``%dist`` sub-commands, by name (after importing the modules that add them)."""
-    _import_features()
+    import_features(DIST_FEATURES)
     return dict(sorted(_commands.items()))
-
-
-def _import_features() -> None:
-    for name in DIST_FEATURES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # the feature exists but something it needs is missing
-                raise
 
 
 # --- the magics ----------------------------------------------------------------------------------

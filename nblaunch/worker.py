@@ -235,7 +235,7 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
             launcher_pid=setup["launcher_pid"],
             options=dict(setup.get("options") or {}),
         )
-        _import_features()
+        import_features()
         if setup["init_process_group"]:
             import torch.distributed as dist
 
@@ -286,10 +286,14 @@ def _rendezvous_store(rank: int, world_size: int) -> Any:
     return store
 
 
-def _import_features() -> None:
+def import_features(names: tuple[str, ...] = RANK_FEATURES) -> None:
+    """Import the feature modules that exist, so they can register their hooks.
+
+    A module that is missing is skipped; one that exists but fails to import raises.
+    """
     import importlib
 
-    for name in RANK_FEATURES:
+    for name in names:
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as exc:
