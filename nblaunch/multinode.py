@@ -51,7 +51,7 @@ from typing import Any
 from nblaunch.errors import LaunchError, RankFailedError, RendezvousTimeoutError
 from nblaunch.events import Event, EventSink, RunState
 from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S, LaunchPlan, Run
-from nblaunch.relay import Relay
+from nblaunch.relay import Relay, log_line
 from nblaunch.supervisor import Supervisor
 from nblaunch.worker import TASK
 
@@ -779,9 +779,7 @@ class NodesRelay(Relay):
                     self.sink.handle(event)
                     continue
                 if kind == "log":
-                    self._remote_log(
-                        rank, f"{event['level']}:{event['name']}: {event['message']}\n"
-                    )
+                    self._remote_log(rank, log_line(event))
                 for ready in self.in_order.feed(event):
                     self.sink.handle(ready)
                 received.append(event)

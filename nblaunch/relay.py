@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nblaunch.events import Event, EventSink, Stream
+from nblaunch.events import Event, EventSink, Log, Stream
 from nblaunch.logging import InOrderLog
 from nblaunch.supervisor import RankProcess
 
@@ -84,7 +84,7 @@ class Relay:
         """Give an event made by the parent (state, diagnosis, ...) to the view."""
         self.sink.handle(event)
         if event["kind"] == "log":
-            self._log_text(event["rank"], f"{event['level']}:{event['name']}: {event['message']}\n")
+            self._log_text(event["rank"], log_line(event))
 
     def poll(self, timeout: float) -> list[dict[str, Any]]:
         """Wait up to ``timeout`` seconds for output or events; return the events from ranks.
@@ -182,7 +182,7 @@ class Relay:
                 for ready in self.in_order.feed(event):
                     self.sink.handle(ready)
                 if event["kind"] == "log":
-                    self._log_text(rank, f"{event['level']}:{event['name']}: {event['message']}\n")
+                    self._log_text(rank, log_line(event))
         except (EOFError, OSError):
             process.events_open = False
             with contextlib.suppress(KeyError, ValueError):
@@ -266,3 +266,8 @@ class Relay:
 def _decode(raw: bytes) -> str:
     """Text of a rank's bytes; invalid UTF-8 becomes U+FFFD instead of breaking the view."""
     return raw.decode("utf-8", errors="replace")
+
+
+def log_line(event: Log) -> str:
+    """How a rank's ``Log`` record reads in its ``rank<N>.log`` file."""
+    return f"{event['level']}:{event['name']}: {event['message']}\n"
