@@ -79,6 +79,18 @@ class Heartbeat(TypedDict):
     stack: str  # formatted stack of every thread, for hang reports
     seq: int | None  # collectives issued on the default process group so far, when known
     still_s: float  # seconds since the main thread last made visible progress
+    in_flight: InFlightInfo | None  # the collective the rank waits in, when it waits in one
+    groups: dict[str, int]  # process group name -> number of its last collective issued
+
+
+class InFlightInfo(TypedDict):
+    """A collective a rank issued and waits in, as its process group and flight recorder say."""
+
+    group: str  # process group name; "0" is the default group
+    group_desc: str  # "default_pg", or a subgroup's description
+    seq: int  # its number on that group
+    label: str  # "DDP gradient all-reduce", "FSDP all-gather", "all_reduce"
+    shapes: list[list[int]]  # input tensor shapes, when the flight recorder is on
 
 
 class Failure(TypedDict):

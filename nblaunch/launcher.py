@@ -20,6 +20,7 @@ import datetime
 import functools
 import os
 import pickle
+import re
 import secrets
 import socket
 import sys
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from nblaunch import errors, tracebacks
+from nblaunch import errors, process_groups, tracebacks
 from nblaunch.errors import LaunchError, LaunchTimeoutError, RankFailedError
 from nblaunch.events import Event, EventSink, RunState
 from nblaunch.relay import Relay
@@ -98,6 +99,8 @@ class LaunchPlan:
             env["NBLAUNCH_LOG_LEVEL"] = self.log_level
         if self.device_type == "cpu" and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(self.threads_per_rank)
+        # The flight recorder names the collective a rank waits in (hang reports).
+        process_groups.enable_flight_recorder(env)
         loopback = loopback_interface() if _is_loopback(self.master_addr) else None
         if loopback:  # keep single-node traffic on the loopback interface
             env.setdefault("GLOO_SOCKET_IFNAME", loopback)
@@ -970,14 +973,29 @@ class Run:
         """Suggest debug mode when a run without it failed or stalled inside a collective."""
         if self.plan.debug:
             return ""
-        text = f"{root.get('traceback', '')}\n{root.get('message', '')}\n{exc}"
-        if "torch/distributed/" not in text and "distributed_c10d" not in text:
+        if root["kind"] != "hang" and not _failed_in_collective(
+            f"{root.get('traceback', '')}\n{root.get('message', '')}\n{exc}"
+        ):
             return ""
         return (
             "This happened inside a torch.distributed collective: run with debug=True "
             "(%%distributed --debug, or NBLAUNCH_DEBUG=1) to check that every rank passes "
             "the same shapes, dtypes and devices to each collective."
         )
+
+
+# A traceback frame inside one of torch.distributed's collectives (not its set-up calls).
+_COLLECTIVE_FRAME = re.compile(
+    r'distributed_c10d\.py", line \d+, in (all_reduce|all_gather\w*|reduce_scatter\w*|broadcast\w*'
+    r"|reduce|gather\w*|scatter\w*|all_to_all\w*|barrier|monitored_barrier|send|recv|isend|irecv"
+    r"|batch_isend_irecv)\b"
+)
+
+
+def _failed_in_collective(text: str) -> bool:
+    """True when a failure's traceback or message shows it happened in a collective: a frame of
+    a torch.distributed collective, or gloo/NCCL saying the collectives did not match."""
+    return bool(_COLLECTIVE_FRAME.search(text)) or "collective mismatch" in text.lower()
 
 
 def _recreate_exception(failure: dict[str, Any], world_size: int) -> BaseException:

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from nblaunch import process_groups, worker
 from nblaunch.errors import DistributedHangError
-from nblaunch.events import Diagnosis, Heartbeat, RunState
+from nblaunch.events import Diagnosis, Heartbeat, InFlightInfo, RunState
 from nblaunch.worker import RankContext, add_task_hook, emit
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ HEARTBEAT_INTERVAL_S = 1.0
 BUSY_CPU_SHARE = 0.05
 # Longest stack text a heartbeat carries (a deep stack of many threads is cut).
 MAX_STACK_CHARS = 20_000
+# A task thread that has not moved for this long while its process group has a collective in
+# flight waits in it, even with no torch.distributed frame on its stack (DDP's backward, FSDP's
+# hooks and work.wait() wait in C++).
+NATIVE_WAIT_AFTER_S = 0.5
 
 # Parent side: a rank returned while another waits in a collective. With sequence numbers the
 # hang is certain and is reported this long after the return; without, the waiting rank must
@@ -116,6 +121,11 @@ def _is_collective_name(name: str) -> bool:
     return not name.startswith(("_", "get_", "is_")) and name != "destroy_process_group"
 
 
+# Where nblaunch calls the user's task: the frames above it are the process bootstrap (the
+# forkserver's ``<string>`` frame) and nblaunch's loop, never the user's code.
+_TASK_ENTRY = worker._run_task.__code__
+
+
 @dataclass
 class Position:
     """Where a thread is, read from its stack."""
@@ -129,13 +139,15 @@ def read_position(frame: FrameType | None, previous: Position | None = None) -> 
     """Find the user's line and the ``torch.distributed`` call (if any) on a stack.
 
     The user's line is the innermost frame outside the standard library, nblaunch and torch;
-    library code counts only when no user frame exists (a function imported from a package).
+    library code counts only when no user frame exists (a function imported from a package),
+    and then the innermost library frame, the one that called into torch. Frames above the task
+    (the process bootstrap, nblaunch's task loop) never count.
     When the stack is the one ``previous`` was read from, ``previous`` is returned: a stack
     that did not move is recognised at the cost of one walk over it.
     """
     frames = []
     signature = []
-    while frame is not None:
+    while frame is not None and frame.f_code is not _TASK_ENTRY:
         frames.append(frame)
         signature.append((id(frame.f_code), frame.f_lasti))
         frame = frame.f_back
@@ -313,6 +325,7 @@ class HeartbeatThread:
         self._checked_at = self._started  # when the last heartbeat looked at seq, CPU, output
         self._beat_output = 0.0
         self._last_beat = self._started
+        self._described: InFlightInfo | None = None  # the collective last described
 
     def start(self) -> None:
         self._output.install()
@@ -367,6 +380,14 @@ class HeartbeatThread:
             self._last_moved = now
         self._seq, self._cpu, self._checked_at, self._beat_output = seq, cpu, now, output
         position = self._position
+        still_s = 0.0 if final else now - self._last_moved
+        groups = process_groups.group_status()
+        in_flight = None
+        collective = position.collective
+        pending = process_groups.pending(groups)
+        if not final and pending and (collective or still_s >= NATIVE_WAIT_AFTER_S):
+            in_flight = self._in_flight(pending, collective)
+            collective = in_flight["label"]
         stack = ""
         if not final:
             frames = sys._current_frames()
@@ -378,14 +399,38 @@ class HeartbeatThread:
             "kind": "heartbeat",
             "rank": self.rank,
             "where": position.where,
-            "collective": None if final else position.collective,
+            "collective": None if final else collective,
             "wait_s": self.wait_s,
             "busy_s": now - self._started,
             "last_output": output,
             "stack": stack,
             "seq": seq,
-            "still_s": 0.0 if final else now - self._last_moved,
+            "still_s": still_s,
+            "in_flight": in_flight,
+            "groups": {name: issued for name, (issued, _) in (groups or {}).items()},
         }
+
+    def _in_flight(self, pending: tuple[str, int], called: str | None) -> InFlightInfo:
+        """Describe the collective this rank waits in, once per collective."""
+        if self._described is None or (self._described["group"], self._described["seq"]) != pending:
+            group, seq = pending
+            entry = process_groups.in_flight(group, seq)  # None when the recorder is off
+            frame = sys._current_frames().get(self.target)
+            functions, files = [], []
+            while frame is not None:
+                functions.append(frame.f_code.co_name)
+                files.append(frame.f_code.co_filename)
+                frame = frame.f_back
+            del frame
+            operation = entry.operation if entry else called or "collective"
+            self._described = {
+                "group": group,
+                "group_desc": entry.group_desc if entry else "",
+                "seq": seq,
+                "label": process_groups.collective_label(operation, functions, files),
+                "shapes": entry.shapes if entry else [],
+            }
+        return self._described
 
     def _cpu_time(self) -> float:
         if self._cpu_clock is not None:
@@ -427,12 +472,50 @@ class _Beat:
     def in_collective(self) -> bool:
         return self.event["collective"] is not None
 
+    def waiting_for(self) -> tuple[str, int | None]:
+        """The process group and number of the collective this rank waits in."""
+        in_flight = self.event.get("in_flight")
+        if in_flight:
+            return in_flight["group"], in_flight["seq"]
+        return process_groups.DEFAULT_GROUP, self.event["seq"]
+
+    def issued(self, group: str) -> int | None:
+        """How many collectives this rank had issued on ``group`` at this heartbeat."""
+        groups = self.event.get("groups") or {}
+        if group in groups:
+            return groups[group]
+        return self.event["seq"] if group == process_groups.DEFAULT_GROUP else None
+
     def position(self) -> str:
         event = self.event
+        where = with_source(event["where"])
         if event["collective"]:
-            number = f" (collective #{event['seq']})" if event["seq"] else ""
-            return f"in {event['collective']}{number} at {event['where']}"
-        return f"at {event['where']} (outside any collective)"
+            group, seq = self.waiting_for()
+            number = f"collective #{seq}" if seq else ""
+            in_flight = event.get("in_flight")
+            if number and group != process_groups.DEFAULT_GROUP:
+                desc = (in_flight or {}).get("group_desc") or group
+                number += f" of subgroup {desc}"
+            if in_flight and in_flight.get("shapes"):
+                number += f", shapes {in_flight['shapes']}"
+            number = f" ({number})" if number else ""
+            return f"in {event['collective']}{number} at {where}"
+        return f"at {where} (outside any collective)"
+
+
+_WHERE = re.compile(r"^(.+):(\d+) in (.+)$")
+
+
+def with_source(where: str) -> str:
+    """``"train.py:9 in train"`` with the line's source added when the parent can read it
+    (a notebook cell's lines are in the kernel's line cache, a script's in its file)."""
+    import linecache
+
+    match = _WHERE.match(where)
+    if not match:
+        return where
+    source = linecache.getline(match.group(1), int(match.group(2))).strip()
+    return f"{where}: `{source}`" if source else where
 
 
 class HangMonitor:
@@ -454,6 +537,7 @@ class HangMonitor:
         self.beats: dict[int, _Beat] = {}
         self.returned: dict[int, float] = {}  # rank -> when its Result arrived
         self.final_seq: dict[int, int | None] = {}
+        self.final_beat: dict[int, _Beat | None] = {}  # each returned rank's last heartbeat
         self.stalled: set[int] = set()
         self.straggler: tuple[int, float] | None = None
         self._straggler_checked = 0.0
@@ -475,6 +559,7 @@ class HangMonitor:
             self.returned[rank] = time.monotonic()
             beat = self.beats.get(rank)
             self.final_seq[rank] = beat.event["seq"] if beat else None
+            self.final_beat[rank] = beat
             self._unstall(run, rank)
             if all(r in self.returned for r in self.beats):  # every rank of the task returned
                 self._publish_straggler(run, final=True)
@@ -556,8 +641,8 @@ class HangMonitor:
             beat = self.beats.get(rank)
             if beat is None or not beat.in_collective or beat.received <= last_return:
                 continue
-            seq = beat.event["seq"]
-            finals = [self.final_seq.get(r) for r in self.returned]
+            group, seq = beat.waiting_for()
+            finals = [self._final_issued(r, group) for r in self.returned]
             if seq is not None and all(s is not None for s in finals):
                 # Sequence numbers tell for sure: the returned ranks never issued this one.
                 if seq > min(finals) and now - last_return >= FINISHED_GRACE_S:  # type: ignore[type-var]
@@ -596,6 +681,12 @@ class HangMonitor:
             "set_trigger() on the rank that wants to stop and `if check_trigger(): break` on "
             "every rank."
         )
+        if any(str(self.beats[r].event["collective"]).startswith("DDP") for r in waiting):
+            message += (
+                " For data that does not split evenly, give every rank the same number of "
+                "batches (DistributedSampler(drop_last=True)) or wrap the loop in DDP's "
+                "`with model.join():`."
+            )
         return self._root(run, first, headline, message, now)
 
     def _no_progress(self, run: Run, now: float) -> dict[str, Any] | None:
@@ -682,6 +773,12 @@ class HangMonitor:
                 "or the process is stopped)"
             )
         return text
+
+    def _final_issued(self, rank: int, group: str) -> int | None:
+        beat = self.final_beat.get(rank)
+        if beat is None:
+            return self.final_seq.get(rank) if group == process_groups.DEFAULT_GROUP else None
+        return beat.issued(group)
 
     @staticmethod
     def _count(seq: int | None) -> str:

@@ -437,7 +437,8 @@ def test_early_stop_is_reported_within_seconds_naming_both_ranks_and_lines(capfd
     line = line_of(early_stop, "rank 0 waits here")
     assert text.startswith("rank 1 of 2 returned while rank 0 waits in a collective")
     assert "rank 1 returned after 4 collectives" in text
-    assert f"rank 0 waits in all_reduce (collective #5) at test_watchdog.py:{line}" in text
+    assert "rank 0 waits in all_reduce (collective #5, shapes [[1]])" in text
+    assert f"at test_watchdog.py:{line} in early_stop: `dist.all_reduce(loss)" in text
     assert "set_trigger" in text and "check_trigger" in text
     assert "dist.all_reduce(loss)" in info.value.stacks[0]
     err = shown(capfd.readouterr().err)
@@ -451,7 +452,10 @@ def test_collective_count_mismatch_reports_every_ranks_collective_and_line():
     reduce_line = line_of(count_mismatch, "rank 0's third all_reduce")
     barrier_line = line_of(count_mismatch, "rank 1's barrier")
     assert text.startswith("ranks 0, 1 of 2 waited in collectives for 2 s with no progress")
-    assert f"rank 0: in all_reduce (collective #3) at test_watchdog.py:{reduce_line}" in text
+    assert (
+        f"rank 0: in all_reduce (collective #3, shapes [[4]]) at test_watchdog.py:{reduce_line}"
+        in text
+    )
     assert f"rank 1: in barrier (collective #3) at test_watchdog.py:{barrier_line}" in text
     assert "different collectives" in text
     notes = "\n".join(getattr(info.value, "__notes__", []))

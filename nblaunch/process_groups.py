@@ -1,0 +1,132 @@
+"""What torch's process groups know about their collectives, read from inside a rank.
+
+Real training issues most collectives from C++ (DDP's gradient all-reduce in ``backward()``, its
+bucket rebuild, FSDP's hooks, ``work.wait()``), where no ``torch.distributed`` frame is on the
+Python stack. The process groups themselves count what was issued and what completed, and
+PyTorch's flight recorder (on for gloo and NCCL when ``TORCH_FR_BUFFER_SIZE`` > 0) keeps the last
+collectives with their operation and shapes. :func:`group_status` reads the counts (about
+0.1 ms, so once a heartbeat); :func:`in_flight` reads the recorder's entry for the collective a
+rank waits in and names it as a user knows it ("DDP gradient all-reduce").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+# Collectives the flight recorder keeps per rank: a hang report needs only the last few.
+FLIGHT_RECORDER_ENTRIES = 64
+_BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+# The default group's name in the recorder's status.
+DEFAULT_GROUP = "0"
+
+
+def enable_flight_recorder(env: dict[str, str]) -> None:
+    """Turn the flight recorder on in a rank's environment unless the user chose a size."""
+    if not any(env.get(name) for name in _BUFFER_VARIABLES):
+        env["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
+
+
+def _dumps(**kwargs: Any) -> list[dict[str, Any]]:
+    """Every recorder this torch has (gloo's and NCCL's), unpickled; none when unavailable."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return []
+    import torch._C._distributed_c10d as c10d
+
+    dumps = []
+    for name in ("_dump_fr_trace", "_dump_nccl_trace"):
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        with contextlib.suppress(Exception):
+            dumps.append(pickle.loads(dump(**kwargs)))
+    return dumps
+
+
+def group_status() -> dict[str, tuple[int, int]] | None:
+    """Per process group (by name, ``"0"`` is the default group): the number of the last
+    collective issued and of the last one completed. ``None`` without a process group.
+
+    A group whose last issued collective is past its last completed one has work in flight.
+    """
+    status: dict[str, tuple[int, int]] = {}
+    for dump in _dumps(includeCollectives=False, includeStackTraces=False):
+        for name, group in (dump.get("pg_status") or {}).items():
+            issued = int(group.get("last_enqueued_collective", -1))
+            done = int(group.get("last_completed_collective", -1))
+            old = status.get(str(name), (-1, -1))
+            status[str(name)] = (max(old[0], issued), max(old[1], done))
+    return status or None
+
+
+def pending(status: dict[str, tuple[int, int]] | None) -> tuple[str, int] | None:
+    """The group and number of the oldest collective issued and not completed, if any."""
+    # Collectives are numbered from 1; -1 means none completed yet.
+    waiting = [
+        (max(done, 0) + 1, name) for name, (issued, done) in (status or {}).items() if issued > done
+    ]
+    if not waiting:
+        return None
+    seq, name = min(waiting, key=lambda item: (item[1] != DEFAULT_GROUP, item[0]))
+    return name, seq
+
+
+@dataclass
+class InFlight:
+    """A collective a rank issued and that has not completed, as the flight recorder has it."""
+
+    group: str  # process group name, "0" for the default group
+    group_desc: str  # "default_pg", or the description a subgroup was created with
+    seq: int  # its number on that group
+    operation: str  # "all_reduce", "broadcast", ...
+    shapes: list[list[int]]  # input tensor shapes
+
+
+def in_flight(group: str, seq: int) -> InFlight | None:
+    """The flight recorder's entry for collective ``seq`` on ``group``; ``None`` when the
+    recorder is off or no longer holds it.
+
+    Read without the issuing stacks: symbolising them takes a second on first use, and the
+    waiting thread's own stack says the same.
+    """
+    for dump in _dumps(includeCollectives=True, includeStackTraces=False):
+        for entry in reversed(dump.get("entries") or []):
+            name, desc = [*(entry.get("process_group") or ()), "", ""][:2]
+            if str(name) != group or int(entry.get("collective_seq_id", -1)) != seq:
+                continue
+            operation = str(entry.get("profiling_name", "")).split(":")[-1] or "collective"
+            return InFlight(
+                str(name), str(desc), seq, operation, list(entry.get("input_sizes") or [])
+            )
+    return None
+
+
+def collective_label(operation: str, functions: list[str], files: list[str]) -> str:
+    """Name a collective by who issued it, from the functions and files on the issuing stack.
+
+    DDP's reducer issues its gradient all-reduce from C++ during ``backward()``; its forward
+    syncs buffers and rebuilds buckets; FSDP's collectives come from its own modules.
+    """
+    op = operation.replace("_", "-")
+    normalised = [file.replace("\\", "/") for file in files]
+    if any("/torch/distributed/fsdp/" in file for file in normalised):
+        return f"FSDP {op}"
+    ddp = [
+        name
+        for name, file in zip(functions, normalised, strict=False)
+        if file.endswith("torch/nn/parallel/distributed.py")
+    ]
+    if ddp:
+        if "__init__" in ddp or "_sync_module_states" in ddp:
+            return f"DDP parameter {op} at construction"
+        return f"DDP {op} in forward (bucket rebuild or buffer sync)"
+    if "_engine_run_backward" in functions or any(
+        file.endswith(("torch/autograd/__init__.py", "torch/autograd/graph.py"))
+        for file in normalised
+    ):
+        return f"DDP gradient {op}" if "all-reduce" in op else f"{op} in backward()"
+    return operation
