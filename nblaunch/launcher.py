@@ -1007,7 +1007,7 @@ def _recreate_exception(failure: dict[str, Any], world_size: int) -> BaseExcepti
 
             exc = pickle.loads(failure["exception_bytes"])
             if isinstance(exc, BaseException):
-                return tracebacks.make_readable(exc)
+                return tracebacks.make_readable(exc, failure.get("traceback", ""))
         except Exception:
             pass
     return RankFailedError(

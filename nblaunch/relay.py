@@ -6,8 +6,19 @@ background thread, keeps widget updates in the cell that launched the run, lets 
 interrupt land where the launcher can act on it, and leaves no thread behind.
 
 Lines are split per rank and per descriptor, so two ranks' output is never glued together or cut
-in the middle; a line ended by ``\\r`` (a progress bar redrawing) is marked as such. Every byte a
-rank writes also goes, unchanged, to ``<run dir>/rank<N>.log``.
+in the middle; a line ended by ``\\r`` (a progress bar redrawing) is marked as such.
+
+A progress line is the text after a rank's last ``\\r``. It is shown as soon as it arrives (a
+``carriage`` event: a state to be redrawn), and it ends, keeping its last state as a finished
+line, where the rank's next output begins: the ``\\n`` that tqdm writes when it closes, output on
+the rank's other stream, a log record, or, on the same stream, text that arrives
+``PROGRESS_END_S`` or more after the bar was drawn (Transformers' logger writes to stderr, like
+tqdm). Without that, a bar's last state and the next line would be glued together, as they
+are in a terminal.
+
+Every byte a rank writes also goes to ``<run dir>/rank<N>.log``; a line break is added where a
+rank's output switches between stdout, stderr and log records in the middle of a line, or
+where a progress line ends as above, so that two lines never run together there either.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import selectors
 import time
 from pathlib import Path
@@ -29,6 +41,14 @@ MAX_LINE_BYTES = 1 << 16
 READ_SIZE = 1 << 20
 TAIL_LINES = 20
 LOG_FLUSH_S = 0.5
+# Text on a progress bar's stream that comes this long after the bar was drawn starts a new
+# line. Sooner, it is taken as the rest of the bar's own write: ``print("\\rstep", i)`` reaches
+# the pipe in two writes microseconds apart, tqdm's redraws come at least 0.1 s apart.
+PROGRESS_END_S = 0.02
+# A bar drawn blank: tqdm clearing it (before tqdm.write, or on close with leave=False).
+_CLEARED = re.compile(rb"\r[ \t]*\r")
+# The "stream" a rank's log records are written as in its log file (1 and 2 are its fds).
+_LOG_SOURCE = 0
 
 
 class Relay:
@@ -49,6 +69,12 @@ class Relay:
         self.run_dir = run_dir
         self._selector = selectors.DefaultSelector()
         self._partial: dict[tuple[int, int], bytes] = {}
+        # (rank, fd) whose partial is a progress line (text after a "\\r"): when it arrived
+        self._progress: dict[tuple[int, int], float] = {}
+        self._shown: set[tuple[int, int]] = set()  # progress lines already sent as they are
+        self._after_carriage: set[tuple[int, int]] = set()  # ended on a "\\r": next text is a bar
+        self._drawing: set[tuple[int, int]] = set()  # (rank, fd) whose last line sent was a state
+        self._log_midline: dict[int, int] = {}  # rank -> source whose last log write ended mid-line
         self._logs: dict[int, Any] = {}
         self._conns: dict[int, RankProcess] = {}
         self.tails: dict[int, collections.deque[str]] = {}
@@ -77,14 +103,19 @@ class Relay:
         for end in (rank.stdout_r, rank.stderr_r, rank.conn):
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._selector.unregister(end.fileno())
-        self._partial.pop((rank.rank, 1), None)
-        self._partial.pop((rank.rank, 2), None)
+        for fd in (1, 2):
+            self._partial.pop((rank.rank, fd), None)
+            self._progress.pop((rank.rank, fd), None)
+            self._shown.discard((rank.rank, fd))
+            self._after_carriage.discard((rank.rank, fd))
+            self._drawing.discard((rank.rank, fd))
 
     def publish(self, event: Event) -> None:
         """Give an event made by the parent (state, diagnosis, ...) to the view."""
-        self.sink.handle(event)
         if event["kind"] == "log":
+            self._end_progress(event["rank"])
             self._log_text(event["rank"], log_line(event))
+        self.sink.handle(event)
 
     def poll(self, timeout: float) -> list[dict[str, Any]]:
         """Wait up to ``timeout`` seconds for output or events; return the events from ranks.
@@ -92,9 +123,7 @@ class Relay:
         Output becomes ``Stream`` events for the view; events from ranks go to the view and are
         returned, so the launcher can act on results and failures.
         """
-        received: list[dict[str, Any]] = []
-        for key, _ in self._selector.select(timeout):
-            received.extend(self._dispatch(key))
+        received = self._dispatch(self._selector.select(timeout))
         for ready in self.in_order.poll():
             self.sink.handle(ready)
         self._flush()
@@ -111,8 +140,7 @@ class Relay:
         """Read output until every pipe closes or ``timeout`` passes; then end partial lines."""
         deadline = time.monotonic() + timeout
         while self._selector.get_map() and time.monotonic() < deadline:
-            for key, _ in self._selector.select(max(0.0, deadline - time.monotonic())):
-                self._dispatch(key)
+            self._dispatch(self._selector.select(max(0.0, deadline - time.monotonic())))
         self._end_partial_lines()
 
     def drain_ready(self, limit_s: float = 0.5) -> list[dict[str, Any]]:
@@ -128,8 +156,7 @@ class Relay:
             ready = self._selector.select(0)
             if not ready:
                 break
-            for key, _ in ready:
-                received.extend(self._dispatch(key))
+            received.extend(self._dispatch(ready))
         self._end_partial_lines()
         return received
 
@@ -145,20 +172,51 @@ class Relay:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _dispatch(self, key: selectors.SelectorKey) -> list[dict[str, Any]]:
-        """Read one ready pipe: an event pipe returns its events, an output pipe its lines."""
-        rank, fd = key.data
-        if fd == 0:
-            return self._read_events(rank, key.fd)
-        self._read_output(rank, fd, key.fd)
-        return []
+    def _dispatch(self, ready: list[tuple[selectors.SelectorKey, int]]) -> list[dict[str, Any]]:
+        """Read every ready pipe; return the events from ranks, pass output on as lines.
+
+        Output from two pipes that were ready together has lost its order between them. It is
+        put back in the order that keeps progress bars whole: a bar being cleared comes first
+        (``tqdm.write`` clears the bar, prints, then draws the bar again), then finished lines,
+        then what followed such a clear, then the unfinished rest: each bar's newest state.
+        """
+        received: list[dict[str, Any]] = []
+        pieces: list[tuple[int, int, int, bytes]] = []
+        together = sum(1 for key, _ in ready if key.data[1]) > 1
+        for key, _ in ready:
+            rank, fd = key.data
+            if fd == 0:
+                received.extend(self._read_events(rank, key.fd))
+                continue
+            if not together:  # one pipe: its order is the order it was written in
+                data = self._read_pipe(rank, fd, key.fd)
+                if data:
+                    self._take_output(rank, fd, data)
+                continue
+            # a bar that stands cleared since the last read: what follows it is the refresh
+            partial = self._partial.get((rank, fd), b"?")
+            standing = (rank, fd) in self._progress and not partial.strip()
+            data = self._read_pipe(rank, fd, key.fd)
+            after_clear = 2 if standing else 1
+            cleared = _CLEARED.search(data) if b"\r" in data else None
+            if cleared:
+                pieces.append((0, rank, fd, data[: cleared.end()]))
+                data = data[cleared.end() :]
+                after_clear = 2
+            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+            if cut:
+                pieces.append((after_clear, rank, fd, data[:cut]))
+            if cut < len(data):
+                pieces.append((3, rank, fd, data[cut:]))
+        for _, rank, fd, data in sorted(pieces, key=lambda piece: piece[0]):
+            self._take_output(rank, fd, data)
+        return received
 
     def _end_partial_lines(self) -> None:
         """Pass on unfinished lines and held in-order records: the task or run is over."""
-        for (rank, fd), rest in list(self._partial.items()):
-            if rest:
-                self._emit_lines(rank, fd, [_decode(rest)], carriage=False)
-        self._partial.clear()
+        for rank, fd in list(self._partial):
+            self._end_line(rank, fd)
+        self._after_carriage.clear()
         for ready in self.in_order.flush():
             self.sink.handle(ready)
         self._flush(force=True)
@@ -179,17 +237,19 @@ class Relay:
             while process.conn.poll():
                 event = process.conn.recv()
                 received.append(event)
+                if event["kind"] == "log":
+                    self._end_progress(rank)  # a record is the rank's next output
+                    self._log_text(rank, log_line(event))
                 for ready in self.in_order.feed(event):
                     self.sink.handle(ready)
-                if event["kind"] == "log":
-                    self._log_text(rank, log_line(event))
         except (EOFError, OSError):
             process.events_open = False
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(fileno)
         return received
 
-    def _read_output(self, rank: int, fd: int, fileno: int) -> None:
+    def _read_pipe(self, rank: int, fd: int, fileno: int) -> bytes:
+        """What one output pipe holds (b"" at its end, which ends its unfinished line)."""
         try:
             data = os.read(fileno, READ_SIZE)
         except OSError:
@@ -197,34 +257,79 @@ class Relay:
         if not data:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(fileno)
-            rest = self._partial.pop((rank, fd), b"")
-            if rest:
-                self._emit_lines(rank, fd, [_decode(rest)], carriage=False)
-            return
-        self.last_output[rank] = time.time()
-        log = self._logs.get(rank)
-        if log is not None:
-            log.write(data)
-        self._split_lines(rank, fd, self._partial.pop((rank, fd), b"") + data)
+            self._end_line(rank, fd)
+        return data
 
-    def _split_lines(self, rank: int, fd: int, buffer: bytes) -> None:
+    def _take_output(self, rank: int, fd: int, data: bytes) -> None:
+        """Log a piece of a rank's output and pass its lines on."""
+        key = (rank, fd)
+        now = time.monotonic()
+        self.last_output[rank] = time.time()
+        self._end_progress(rank, but=fd)  # output on the other stream ends its progress line
+        drawn = self._progress.pop(key, None)
+        if key in self._after_carriage:  # what comes next continues after a "\r"
+            self._after_carriage.discard(key)
+            drawn = now
+        elif (
+            drawn is not None
+            and now - drawn >= PROGRESS_END_S
+            and data[:1] not in (b"\r", b"\n")
+            and not self._partial.get(key, b"").endswith(b"\r")
+        ):
+            self._end_line(rank, fd)  # new text after a finished bar: a line of its own
+            self._log_break(rank)
+            drawn = None
+        self._log_bytes(rank, fd, data)
+        partial = self._partial.pop(key, b"")
+        # The progress line on screen is the partial: don't send it again when a "\r" ends it.
+        shown = partial.removesuffix(b"\r") if key in self._shown else None
+        skip = shown is not None and data[:1] == b"\r" and data[1:2] != b"\n"
+        self._shown.discard(key)
+        self._split_lines(rank, fd, partial + data, drawn is not None, skip, shown)
+
+    def _split_lines(
+        self,
+        rank: int,
+        fd: int,
+        buffer: bytes,
+        in_progress: bool,
+        skip_first: bool,
+        shown: bytes | None,
+    ) -> None:
+        """Pass on the finished lines of ``buffer``; keep the rest, show it if it is a bar."""
         if b"\r" not in buffer:  # the common case, kept fast: whole lines in one go
             end = buffer.rfind(b"\n") + 1
             if end:
                 self._emit_lines(rank, fd, _decode(buffer[: end - 1]).split("\n"), carriage=False)
+                in_progress = False
             rest = buffer[end:]
         else:
-            rest = self._split_carriage(rank, fd, buffer)
+            rest, after_carriage = self._split_carriage(rank, fd, buffer, skip_first)
+            in_progress = after_carriage if after_carriage is not None else in_progress
         while len(rest) > MAX_LINE_BYTES:
             self._emit_lines(rank, fd, [_decode(rest[:MAX_LINE_BYTES])], carriage=False)
             rest = rest[MAX_LINE_BYTES:]
+            in_progress = False
         if rest:
             self._partial[(rank, fd)] = rest
+        if rest and (in_progress or rest.endswith(b"\r")):
+            self._progress[(rank, fd)] = time.monotonic()
+            state = rest.removesuffix(b"\r")
+            if state:  # the bar as it stands now, redrawn when the rank draws it again
+                self._shown.add((rank, fd))
+                if state != shown:
+                    self._emit_lines(rank, fd, [_decode(state)], carriage=True)
 
-    def _split_carriage(self, rank: int, fd: int, buffer: bytes) -> bytes:
-        """Split on ``\\n``, ``\\r\\n`` and lone ``\\r``; return the unfinished rest."""
+    def _split_carriage(
+        self, rank: int, fd: int, buffer: bytes, skip_first: bool
+    ) -> tuple[bytes, bool | None]:
+        """Split on ``\\n``, ``\\r\\n`` and lone ``\\r``; return the unfinished rest.
+
+        Also returns whether the rest follows a ``\\r`` (None: no line ended in ``buffer``).
+        """
         start = 0
         size = len(buffer)
+        after_carriage: bool | None = None
         while start < size:
             newline = buffer.find(b"\n", start)
             carriage = buffer.find(b"\r", start)
@@ -233,18 +338,43 @@ class Relay:
             if carriage < 0 or (0 <= newline < carriage):
                 self._emit_lines(rank, fd, [_decode(buffer[start:newline])], carriage=False)
                 start = newline + 1
+                after_carriage = False
             elif carriage == size - 1:
                 break  # a "\r" at the end may be the first half of "\r\n": wait for more
             elif buffer[carriage + 1 : carriage + 2] == b"\n":
                 self._emit_lines(rank, fd, [_decode(buffer[start:carriage])], carriage=False)
                 start = carriage + 2
+                after_carriage = False
             else:
-                self._emit_lines(rank, fd, [_decode(buffer[start:carriage])], carriage=True)
+                if not (skip_first and start == 0):
+                    self._emit_lines(rank, fd, [_decode(buffer[start:carriage])], carriage=True)
                 start = carriage + 1
-        return buffer[start:]
+                after_carriage = True
+        return buffer[start:], after_carriage
+
+    def _end_line(self, rank: int, fd: int) -> None:
+        """Pass on the unfinished line of ``(rank, fd)`` as finished: its last state stays."""
+        key = (rank, fd)
+        rest = self._partial.pop(key, b"")
+        self._progress.pop(key, None)
+        self._shown.discard(key)
+        if rest.endswith(b"\r"):
+            rest = rest[:-1]
+            self._after_carriage.add(key)  # the rank's next text there redraws from the start
+        if rest or key in self._drawing:  # a blank last state (a cleared bar) ends it too
+            self._emit_lines(rank, fd, [_decode(rest)], carriage=False)
+
+    def _end_progress(self, rank: int, but: int | None = None) -> None:
+        """End the rank's progress lines: it wrote something else (``but``: on that fd)."""
+        for fd in (1, 2):
+            if fd != but and ((rank, fd) in self._progress or (rank, fd) in self._drawing):
+                self._end_line(rank, fd)
 
     def _emit_lines(self, rank: int, fd: int, texts: list[str], *, carriage: bool) -> None:
-        if not carriage:
+        if carriage:
+            self._drawing.add((rank, fd))
+        else:
+            self._drawing.discard((rank, fd))
             self.tails[rank].extend(texts[-TAIL_LINES:])
         handle = self.sink.handle
         for text in texts:
@@ -258,9 +388,25 @@ class Relay:
             handle(event)
 
     def _log_text(self, rank: int, text: str) -> None:
+        self._log_bytes(rank, _LOG_SOURCE, text.encode("utf-8", errors="replace"))
+
+    def _log_break(self, rank: int) -> None:
+        """End the line the rank's log file is in the middle of."""
         log = self._logs.get(rank)
-        if log is not None:
-            log.write(text.encode("utf-8", errors="replace"))
+        if log is not None and self._log_midline.pop(rank, None) is not None:
+            log.write(b"\n")
+
+    def _log_bytes(self, rank: int, source: int, data: bytes) -> None:
+        """Write to the rank's log file, breaking the line where another source left off."""
+        log = self._logs.get(rank)
+        if log is None or not data:
+            return
+        midline = self._log_midline.pop(rank, None)
+        if midline is not None and midline != source and data[:1] != b"\n":
+            log.write(b"\n")
+        log.write(data)
+        if not data.endswith(b"\n"):
+            self._log_midline[rank] = source
 
 
 def _decode(raw: bytes) -> str:

@@ -8,8 +8,8 @@ second) and ``close``. Views never infer the state of a rank; they show the ``St
 ``LaunchView`` is built from ipywidgets' core widgets (no JavaScript of its own). It stays calm
 under any amount of output: ``handle`` only appends to bounded per-rank buffers, and ``flush``
 renders what changed while keeping the number of messages to the browser under ``max_rate`` a
-second. When the run ends it displays a static summary (text and HTML), so a saved notebook
-shows what happened even without widget state.
+second. When the run ends it displays a static summary (text and HTML) with each rank's outcome
+and last lines, so a saved notebook shows what happened even without widget state.
 """
 
 from __future__ import annotations
@@ -30,13 +30,20 @@ from nblaunch.events import Event, RunState
 DISPLAY_MODES = ("auto", "widget", "text", "none")
 # Lines a LaunchView keeps on screen per rank; NBLAUNCH_VIEW_LINES changes it.
 DEFAULT_VIEW_LINES = 200
+# The static summary keeps each rank's last lines, within a total, each cut to a length.
+SUMMARY_LINES = 20
+SUMMARY_TOTAL_LINES = 200
+SUMMARY_LINE_CHARS = 300
+# Returned values up to this size (pickled) are shown in the summary, if of a plain type.
+SUMMARY_VALUE_BYTES = 4096
 
 
 class TextView:
     """Prints every event as ``[rank N]``-prefixed text; for terminals, scripts and logs.
 
     Output is batched and written at most ``max_rate`` times a second, so fast ranks cost few
-    writes; a ``\\r`` progress line is printed at most once a second per rank. Ranks' stderr,
+    writes; a ``\\r`` progress line is printed at most once a second per rank, and its last state
+    once, when the line ends (a bar that was cleared leaves nothing). Ranks' stderr,
     logs and nblaunch's notes go to stderr, the rest to stdout, in the order they happened.
     """
 
@@ -53,6 +60,7 @@ class TextView:
         self._interval = 1.0 / max_rate
         self._last_flush = 0.0
         self._last_carriage: dict[int, float] = {}
+        self._bars: set[tuple[int, int]] = set()  # (rank, fd) whose last line was a "\\r" one
         self.world_size = 0
 
     @property
@@ -67,11 +75,17 @@ class TextView:
         kind = event["kind"]
         if kind == "stream":
             rank = event["rank"]
+            key = (rank, event["fd"])
             if event["carriage"]:
+                self._bars.add(key)
                 now = time.monotonic()
-                if now - self._last_carriage.get(rank, 0.0) < 1.0:
+                if not event["text"].strip() or now - self._last_carriage.get(rank, 0.0) < 1.0:
                     return
                 self._last_carriage[rank] = now
+            elif key in self._bars:
+                self._bars.discard(key)
+                if not event["text"].strip():
+                    return  # the bar was cleared (tqdm's leave=False): nothing to keep
             self._pending.append((event["fd"] == 2, f"[rank {rank}] {event['text']}\n"))
         elif kind == "log":
             self._pending.append(
@@ -88,6 +102,7 @@ class TextView:
             if event["run_dir"]:
                 line += f", logs in {event['run_dir']}"
             self._pending.append((False, line + "\n"))
+            self._pending.extend((False, f"nblaunch: {note}\n") for note in event.get("notes", ()))
             self._pending.extend((False, f"nblaunch: warning: {w}\n") for w in event["warnings"])
         elif kind == "state":
             if event["state"] in (RunState.STALLED, RunState.RETRYING) and event["detail"]:
@@ -266,6 +281,8 @@ class LaunchView:
         self.renders = 0
         self.messages_sent = 0  # widget updates sent to the browser
         self.summary_shown = False
+        self._summary_id: str | None = None  # display id of the summary, to update it in place
+        self._summary_sent: dict[str, str] = {}
         self.stop_hooked = False  # the Stop button works while the run is busy
         self.info: dict[str, Any] | None = None
         self.ended: dict[str, Any] | None = None
@@ -275,10 +292,12 @@ class LaunchView:
         self.diagnoses: list[dict[str, Any]] = []
         self.progress: dict[tuple[int, str], str] = {}
         self.heartbeats: dict[int, tuple[float, float, str | None]] = {}
+        self.results: dict[int, bytes] = {}  # rank -> its pickled return value, when small
         self._all: collections.deque[_Line] = collections.deque(maxlen=max_lines)
         self._per_rank: dict[int, collections.deque[_Line]] = {}
         self._counts: dict[int, int] = collections.Counter()
         self._open: dict[tuple[int, int], _Line] = {}  # (rank, fd) -> its unfinished "\r" line
+        self._bars: set[tuple[int, int]] = set()  # (rank, fd) whose last event was a "\\r" line
         self._dirty: set[Any] = set()
         self._rendered: set[Any] = set()
         self._next_render = 0.0
@@ -299,7 +318,7 @@ class LaunchView:
         if kind == "stream":
             # Every line a rank prints comes here: a few appends, no calls; render in flush.
             rank = event["rank"]
-            if event["carriage"] or self._open:
+            if event["carriage"] or self._bars:
                 self._on_progress_line(rank, event["fd"], event["text"], event["carriage"])
                 return
             self.lines_received += 1
@@ -329,6 +348,9 @@ class LaunchView:
         elif kind == "progress":
             self.progress[(event["rank"], event["what"])] = event["text"]
             self._dirty.add("progress")
+        elif kind == "result":
+            if len(event["value_bytes"]) <= SUMMARY_VALUE_BYTES:
+                self.results[event["rank"]] = event["value_bytes"]
         elif kind == "diagnosis":
             self._on_diagnosis(dict(event))
         elif kind == "run_info":
@@ -339,6 +361,8 @@ class LaunchView:
         elif kind == "run_ended":
             self.ended = dict(event)
             self._dirty.add("head")
+        if self.summary_shown and kind in ("diagnosis", "state", "progress"):
+            self._after_close()
 
     def flush(self, force: bool = False) -> None:
         """Render what changed, keeping under ``max_rate`` browser messages a second."""
@@ -366,7 +390,19 @@ class LaunchView:
         stop.layout.display = "none"
         if self.ended is not None and not self.summary_shown:
             self.summary_shown = True
-            _display(self.summary_bundle(), raw=True)
+            self._summary_id = f"nblaunch-summary-{id(self):x}-{time.time_ns():x}"
+            self._summary_sent = self.summary_bundle()
+            _display(self._summary_sent, raw=True, display_id=self._summary_id)
+
+    def _after_close(self) -> None:
+        """An event after the run ended (the root cause comes last): show it, update the summary."""
+        self.flush(force=True)
+        if self._summary_id is None:
+            return
+        bundle = self.summary_bundle()
+        if bundle != self._summary_sent:
+            self._summary_sent = bundle
+            _display(bundle, raw=True, display_id=self._summary_id, update=True)
 
     # --- the Stop button -------------------------------------------------------------------------
 
@@ -407,31 +443,43 @@ class LaunchView:
     # --- events into state -----------------------------------------------------------------------
 
     def _on_stream(self, rank: int, fd: int, text: str) -> None:
-        """A line that did not come as a Stream event (a Log record)."""
-        if self._open:
-            self._on_progress_line(rank, fd, text, False)
-        else:
-            self.lines_received += 1
-            self._append([rank, fd, text])
+        """A line that did not come as a Stream event (a Log record): never part of a bar."""
+        self.lines_received += 1
+        self._append([rank, fd, text])
 
     def _on_progress_line(self, rank: int, fd: int, text: str, carriage: bool) -> None:
-        """A ``\\r``-ended line (a progress bar) is redrawn in place until a line ends."""
+        """A ``\\r``-ended line (a progress bar) is redrawn in place until its line ends.
+
+        The relay ends it with a finished line, the bar's last state, where the rank's next
+        output begins. A blank last state is a bar that was cleared (tqdm's ``leave=False``):
+        its line goes away, as it does in a terminal.
+        """
         key = (rank, fd)
         line = self._open.get(key)
-        if line is None:
-            if carriage and not text:
-                return  # the "\\r" a progress bar starts with
-            line = [rank, fd, text]
-            self._append(line)
-            if carriage:
+        if carriage:
+            self._bars.add(key)
+            if line is not None:
+                line[_TEXT] = text
+                self._dirty.add(rank)
+            elif text:  # not the bare "\\r" a progress bar starts with
+                line = [rank, fd, text]
+                self._append(line)
                 self._open[key] = line
+            return
+        ends_bar = key in self._bars
+        self._bars.discard(key)
+        if line is not None:
+            del self._open[key]
+        if ends_bar and not text.strip():
+            if line is not None:
+                self._remove(line)
+            return
+        self.lines_received += 1
+        if line is None:
+            self._append([rank, fd, text])
         else:
             line[_TEXT] = text
             self._dirty.add(rank)
-            if not carriage:
-                del self._open[key]
-        if not carriage:
-            self.lines_received += 1
 
     def _append(self, line: _Line) -> None:
         rank = line[_RANK]
@@ -441,6 +489,18 @@ class LaunchView:
             lines = self._per_rank[rank] = collections.deque(maxlen=self.max_lines)
         lines.append(line)
         self._counts[rank] += 1
+        self._dirty.add(rank)
+
+    def _remove(self, line: _Line) -> None:
+        """Take a line back off screen (a cleared progress bar); it is near the end."""
+        rank = line[_RANK]
+        line[_TEXT] = ""  # in case it is further back than this looks
+        for lines in (self._all, self._per_rank.get(rank, ())):
+            for back in range(1, min(len(lines), 64) + 1):
+                if lines[-back] is line:
+                    del lines[-back]
+                    break
+        self._counts[rank] -= 1
         self._dirty.add(rank)
 
     def _on_diagnosis(self, event: dict[str, Any]) -> None:
@@ -567,6 +627,8 @@ class LaunchView:
         out = "<div class='nbl-head'>nblaunch · " + " · ".join(parts)
         if info.get("run_dir"):
             out += f"<br><span class='nbl-dim'>logs: {_esc(info['run_dir'])}</span>"
+        for note in info.get("notes", ()):
+            out += f"<br><span class='nbl-dim'>{_esc(note)}</span>"
         for warning in info.get("warnings", ()):
             out += f"<br><span class='nbl-warn'>⚠ {_esc(warning)}</span>"
         return out + "</div>"
@@ -666,13 +728,32 @@ class LaunchView:
     # --- the static summary ----------------------------------------------------------------------
 
     def summary_bundle(self) -> dict[str, str]:
-        """The end-of-run summary as ``text/plain`` and ``text/html``, for saved notebooks."""
+        """The end-of-run summary as ``text/plain`` and ``text/html``, for saved notebooks.
+
+        Per rank: its state and outcome (what it returned, or its error), then its last lines
+        (``SUMMARY_LINES`` each, ``SUMMARY_TOTAL_LINES`` in all, with a note of how many
+        earlier lines its log file holds), and the error that ended the run. A notebook opened
+        without widget state (GitHub, nbviewer, another Lab) shows this instead of the view.
+        """
         ended = self.ended or {"ok": False, "elapsed_s": 0.0, "ranks": {}}
         ranks = sorted(set(self.states) | set(ended["ranks"]))
-        plain = [f"  rank {r}: {self._state(r).value} · {ended['ranks'].get(r, '')}" for r in ranks]
+        outcomes = {r: self._outcome(r, ended["ranks"].get(r, "")) for r in ranks}
         header = f"nblaunch: {self._outcome_word()} in {ended['elapsed_s']:.2f} s"
         run_dir = (self.info or {}).get("run_dir", "")
-        text = "\n".join([header, *plain] + ([f"  logs: {run_dir}"] if run_dir else []))
+        errors = [d["title"] for d in self.diagnoses if d["severity"] == "error"][:1]
+        notes = [d["title"] for d in self.diagnoses if d["severity"] != "error"][:5]
+        tails = self._summary_tails(ranks)
+
+        plain = [header]
+        plain += [f"  rank {r}: {self._state(r).value} · {outcomes[r]}" for r in ranks]
+        plain += [f"  logs: {run_dir}"] if run_dir else []
+        plain += [f"error: {title}" for title in errors] + [f"note: {title}" for title in notes]
+        for r, lines, earlier in tails:
+            plain.append(f"--- rank {r}, last {_plural(len(lines), 'line')}")
+            if earlier:
+                plain.append(f"  {self._earlier_note(r, earlier)}")
+            plain += [f"  {_ansi_plain(_cut(line[_TEXT]))}" for line in lines]
+
         cell = "padding:2px 10px;text-align:left;border-bottom:1px solid #e5e7eb;white-space:nowrap"
         rows = []
         for r in ranks:
@@ -681,17 +762,74 @@ class LaunchView:
                 f"<tr><td style='{cell}'>rank {r}</td><td style='{cell}'><span style='"
                 f"background:{bg};color:{fg};padding:1px 8px;border-radius:9px;font-weight:600'>"
                 f"{self._state(r).value}</span></td><td style='{cell};white-space:normal'>"
-                f"{_esc(ended['ranks'].get(r, ''))}</td>"
+                f"{_esc(outcomes[r])}</td>"
                 + (f"<td style='{cell}'><code>rank{r}.log</code></td>" if run_dir else "")
                 + "</tr>"
             )
         title = _esc(header.removeprefix("nblaunch: "))
         where = f"<div style='color:#64748b'>logs in <code>{_esc(run_dir)}</code></div>"
+        found = "".join(
+            f"<div style='color:{SEVERITY_COLORS[kind][1]};margin:4px 0'><b>{label}:</b> "
+            f"{_esc(text)}</div>"
+            for kind, label, texts in (("error", "error", errors), ("warning", "note", notes))
+            for text in texts
+        )
+        pre = (
+            "margin:2px 0 6px;padding:4px 8px;font-size:12px;line-height:1.4;white-space:pre-wrap;"
+            "overflow-wrap:anywhere;background:#fcfcfd;border:1px solid #e2e8f0;border-radius:4px"
+        )
+        blocks = []
+        for r, lines, earlier in tails:
+            body = "".join(
+                (
+                    f"<span style='color:#9a3412'>{_ansi_to_html(_cut(line[_TEXT]))}</span>"
+                    if line[_FD] == 2
+                    else _ansi_to_html(_cut(line[_TEXT]))
+                )
+                + "\n"
+                for line in lines
+            )
+            note = (
+                f"<span style='color:#64748b'>{_esc(self._earlier_note(r, earlier))}</span>\n"
+                if earlier
+                else ""
+            )
+            blocks.append(
+                f"<div style='color:#475569;margin-top:4px'>rank {r}, last "
+                f"{_plural(len(lines), 'line')}</div><pre style='{pre}'>{note}{body}</pre>"
+            )
         html_out = (
             f"<div><b>nblaunch</b> {title}<table style='border-collapse:collapse;"
-            f"margin:4px 0'>{''.join(rows)}</table>{where if run_dir else ''}</div>"
+            f"margin:4px 0'>{''.join(rows)}</table>{where if run_dir else ''}{found}"
+            f"{''.join(blocks)}</div>"
         )
-        return {"text/plain": text, "text/html": html_out}
+        return {"text/plain": "\n".join(plain), "text/html": html_out}
+
+    def _summary_tails(self, ranks: list[int]) -> list[tuple[int, list[_Line], int]]:
+        """``(rank, last lines, earlier lines)`` for the summary, within its line budget."""
+        with_lines = [r for r in ranks if self._per_rank.get(r)]
+        if not with_lines:
+            return []
+        each = max(1, min(SUMMARY_LINES, SUMMARY_TOTAL_LINES // len(with_lines)))
+        tails = []
+        budget = SUMMARY_TOTAL_LINES
+        for r in with_lines:
+            lines = list(self._per_rank[r])[-min(each, budget) :] if budget else []
+            budget -= len(lines)
+            tails.append((r, lines, self._counts[r] - len(lines)))
+        return tails
+
+    def _earlier_note(self, rank: int, earlier: int) -> str:
+        where = self._log_path(rank)
+        return f"… {_plural(earlier, 'earlier line')}{' in ' + where if where else ''}"
+
+    def _outcome(self, rank: int, outcome: str) -> str:
+        """The rank's outcome, with a short form of what it returned when that is cheap."""
+        value = self.results.get(rank)
+        if outcome != "returned" or value is None:
+            return outcome
+        shown = _short_repr(value)
+        return f"returned {shown}" if shown else outcome
 
     def _outcome_word(self) -> str:
         """finished, failed, or stopped (interrupted with no rank failing)."""
@@ -704,6 +842,45 @@ class LaunchView:
 
     def _state(self, rank: int) -> RunState:
         return self.states.get(rank, RunState.STOPPED)
+
+
+def _plural(count: int, what: str) -> str:
+    return f"{count} {what}{'s' if count != 1 else ''}"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SUMMARY_LINE_CHARS else text[:SUMMARY_LINE_CHARS] + " …"
+
+
+def _ansi_plain(text: str) -> str:
+    return _ANSI.sub("", text) if "\x1b" in text else text
+
+
+def _short_repr(value_bytes: bytes) -> str:
+    """A one-line repr of a small returned value of a plain type; "" for anything else.
+
+    The view does not unpickle what it cannot show in a line anyway (large values, objects of
+    the user's own classes): the launcher returns those to the caller.
+    """
+    import pickle
+    import reprlib
+
+    if len(value_bytes) > SUMMARY_VALUE_BYTES:
+        return ""
+    try:
+        value = pickle.loads(value_bytes)
+    except Exception:
+        return ""
+    if type(value).__module__ not in ("builtins", "numpy", "torch"):
+        return ""
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = 60
+    try:
+        text = short.repr(value) if type(value).__module__ == "builtins" else repr(value)
+    except Exception:
+        return ""
+    text = " ".join(text.split())
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _env_lines() -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -173,6 +175,84 @@ def test_full_output_goes_to_per_rank_log_files(tmp_path):
         assert f"logged by {rank}" in (run_dir / f"rank{rank}.log").read_text()
 
 
+def tqdm_bars():
+    """Real tqdm bars (on stderr) with other output between and after them, as a Trainer does."""
+    import time
+
+    from tqdm import tqdm
+
+    rank = nblaunch.rank()
+    for _ in tqdm(range(5)):  # ends with the "\\n" tqdm writes on close
+        time.sleep(0.01)
+    print(f"[transformers] next {rank}", flush=True)
+    bar = tqdm(total=6)  # drawn at 0/6, then the Trainer's logger writes to the same stderr
+    time.sleep(0.1)
+    print(f"[transformers] warning {rank}", file=sys.stderr, flush=True)
+    for _ in range(6):
+        bar.update()
+        time.sleep(0.01)
+    bar.write(f"{{'loss': 0.{rank}}}")  # the Trainer's loss lines: tqdm.write, to stdout
+    bar.close()
+    for _ in tqdm(range(4), leave=False):  # cleared on close
+        time.sleep(0.01)
+    print(f"after leave=False {rank}", flush=True)
+
+
+def _glued(line: str) -> bool:
+    """A progress bar's state and another line run together."""
+    return "it/s]" in line and any(w in line for w in ("[transformers]", "loss", "after"))
+
+
+def test_progress_bars_end_where_the_next_output_begins_in_the_text_view(capfd, tmp_path):
+    launch(tqdm_bars, display="text", run_dir=tmp_path / "run")
+    out, err = capfd.readouterr()
+    lines = (out + err).splitlines()
+    assert not [line for line in lines if _glued(line)], out + err
+    assert "[rank 0] " not in lines and "[rank 1] " not in lines  # no blank "\\r" lines
+    for rank in (0, 1):
+        mine = [line.removeprefix(f"[rank {rank}] ") for line in lines if f"[rank {rank}]" in line]
+        for text in (f"[transformers] next {rank}", f"[transformers] warning {rank}"):
+            assert text in mine
+        assert f"{{'loss': 0.{rank}}}" in mine and f"after leave=False {rank}" in mine
+        assert len([line for line in mine if "5/5 [" in line]) == 1  # the last state, once
+        assert mine.index(f"[transformers] warning {rank}") > min(
+            i for i, line in enumerate(mine) if "0/6 [" in line
+        )
+        log = (tmp_path / "run" / f"rank{rank}.log").read_text()
+        assert not [line for line in log.split("\n") if _glued(line)], log
+        assert f"\n[transformers] warning {rank}\n" in log
+
+
+def test_progress_bars_in_the_widget_keep_each_last_state_once(monkeypatch, tmp_path):
+    from nblaunch import widgets
+
+    views = []
+    monkeypatch.setattr(widgets, "_display", lambda obj, **kw: None)
+    monkeypatch.setattr(
+        widgets, "make_view", lambda display: views.append(widgets.LaunchView()) or views[-1]
+    )
+    launch(tqdm_bars, display="widget", run_dir=tmp_path / "run")
+    (view,) = views
+    for rank in (0, 1):
+        lines = [line[2] for line in view._per_rank[rank]]
+        assert not [line for line in lines if _glued(line)], lines
+        assert all(line.strip() for line in lines), lines  # no blank or cleared bar lines
+        bars = [line for line in lines if "it/s]" in line]
+        assert [bar.split("|")[-1].split()[0] for bar in bars] == ["5/5", "0/6", "6/6"], lines
+        others = [line for line in lines if "it/s]" not in line]
+        assert others == [
+            f"[transformers] next {rank}",
+            f"[transformers] warning {rank}",
+            f"{{'loss': 0.{rank}}}",
+            f"after leave=False {rank}",
+        ]
+        assert lines.index(f"{{'loss': 0.{rank}}}") < lines.index(bars[-1])  # bar below it
+    # The two ranks' bars interleave in the All ranks tab without mixing.
+    everything = [(line[0], line[2]) for line in view._all]
+    assert len(everything) == 14
+    assert not [text for _, text in everything if _glued(text)]
+
+
 # --- failures ------------------------------------------------------------------------------------
 
 
@@ -203,6 +283,109 @@ def test_remote_traceback_shows_the_users_source_line():
         launch(deep)
     text = "".join(traceback.format_exception(info.value))
     assert 'return value["missing key"]  # the line the traceback must show' in text
+
+
+NESTED_FAILURE = """
+import sys
+
+from nblaunch import notebook_launcher
+
+
+def inner(values):
+    total = sum(values)
+    return total / (len(values) - len(values))
+
+
+def middle(x):
+    scaled = [v * 2 for v in x]
+    return {"key": inner(scaled)}["key"] + 1
+
+
+def train():
+    data = [1, 2, 3]
+    result = middle(data)
+    return result
+
+
+if __name__ == "__main__":
+    if "--local" in sys.argv:
+        train()
+    notebook_launcher(train, num_processes=2, display="none", device_type="cpu")
+"""
+
+
+def frame_blocks(text: str, filename: str, names=("train", "middle", "inner")) -> list[str]:
+    """The lines Python shows for each frame of ``names`` in ``filename``: header, source, marks."""
+    lines = text.splitlines()
+    blocks = []
+    for i, line in enumerate(lines):
+        if line.startswith(f'  File "{filename}"') and line.rsplit(" in ", 1)[-1] in names:
+            block = [line]
+            for following in lines[i + 1 :]:
+                if not following.startswith("    "):
+                    break
+                block.append(following)
+            blocks.append("\n".join(block))
+    return blocks
+
+
+def test_terminal_tracebacks_carry_pythons_own_markers(tmp_path):
+    script = tmp_path / "nested.py"
+    script.write_text(NESTED_FAILURE)
+    env = {**os.environ, "NBLAUNCH_RUN_DIR": str(tmp_path / "runs")}
+
+    def run(*command):
+        done = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 1, done.stderr
+        return done.stderr
+
+    local = frame_blocks(run(sys.executable, str(script), "--local"), str(script))
+    assert len(local) == 3
+    if sys.version_info >= (3, 11):  # Python marks the failing expression in each frame
+        assert "~~~~~~^~~~~~~~~~~~~~~~~~~~~~~~~~~~~" in local[2]
+    launched = run(sys.executable, str(script))
+    assert frame_blocks(launched, str(script)) == local
+    assert "ZeroDivisionError: division by zero" in launched
+    cli = run(sys.executable, "-m", "nblaunch", "run", str(script), "-n", "2")
+    assert frame_blocks(cli, str(script)) == local
+
+
+def test_a_frame_whose_markers_are_unsure_gets_none(tmp_path):
+    """Recursion through one line that fails elsewhere on it, and a file changed since."""
+    import pickle
+
+    from tblib import pickling_support
+
+    from nblaunch import tracebacks
+
+    source = tmp_path / "recursive.py"
+    source.write_text(
+        "def down(n):\n"
+        "    return down(n - 1) if n else {}['gone']\n"
+        "def edited():\n"
+        "    return 1 + {}['missing']\n"
+    )
+    namespace: dict = {}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)
+    for function, args in ((namespace["down"], (2,)), (namespace["edited"], ())):
+        try:
+            function(*args)
+        except KeyError as exc:
+            text = "".join(traceback.format_exception(exc))
+            pickling_support.install(exc)
+            remote = pickle.loads(pickle.dumps(exc))
+        if function is namespace["edited"]:  # the file changed after the rank read it
+            source.write_text(source.read_text().replace("1 + ", "10 + "))
+            import linecache
+
+            linecache.checkcache(str(source))
+        rebuilt = "".join(traceback.format_exception(tracebacks.make_readable(remote, text)))
+        blocks = frame_blocks(rebuilt, str(source), names=("down", "edited"))
+        assert blocks, rebuilt
+        for block in blocks:
+            assert "^" not in block and "~" not in block, rebuilt  # none rather than wrong ones
 
 
 def test_secondary_failures_never_win():
@@ -457,10 +640,6 @@ def _not_zombie(pid: int) -> bool:
         return False
 
 
-# --- in a real notebook kernel -------------------------------------------------------------------
-
-
-@pytest.mark.slow
 def test_in_a_kernel_errors_show_the_cell_line_and_interrupt_stops_every_rank(kernel):
     setup = kernel.run(
         "import nblaunch\n"
@@ -495,3 +674,104 @@ def test_in_a_kernel_errors_show_the_cell_line_and_interrupt_stops_every_rank(ke
     assert ranks_left["out"].strip() == "0", ranks_left
     again = kernel.run("notebook_launcher(lambda: nblaunch.rank(), (), 2, display='none')")
     assert again["result"] == "[0, 1]", again
+
+
+@pytest.mark.slow
+def test_in_a_kernel_each_remote_frame_shows_its_own_cell_lines(kernel):
+    setup = kernel.run(
+        "from nblaunch import notebook_launcher\n"
+        "def inner(values):\n"
+        "    total = sum(values)\n"
+        "    return total / (len(values) - len(values))\n"
+        "def train():\n"
+        "    data = [1, 2]\n"
+        "    return {'k': inner(data)}['k']\n"
+    )
+    assert setup["error"] is None, setup
+    failed = kernel.run("notebook_launcher(train, (), 2, display='none')", timeout=120)
+    assert failed["error"] == "ZeroDivisionError", failed
+    text = "\n".join(failed["traceback"])
+    # Each frame shows its own function's lines, the failing one marked (not the cell's top).
+    assert (
+        "      5 def train():\n"
+        "      6     data = [1, 2]\n"
+        "----> 7     return {'k': inner(data)}['k']"
+    ) in text
+    assert "----> 4     return total / (len(values) - len(values))" in text
+
+
+TRAINER_NOTEBOOK = [
+    "from nblaunch import notebook_launcher\n"
+    "\n"
+    "def train(steps):\n"
+    "    from tqdm import tqdm\n"
+    "    import nblaunch\n"
+    "    rank = nblaunch.rank()\n"
+    "    bar = tqdm(total=steps)  # as the Trainer's progress callback does\n"
+    "    for step in range(steps):\n"
+    "        bar.update()\n"
+    "        bar.write(str({'loss': round(1 / (step + 1 + rank), 4), 'epoch': step}))\n"
+    "    bar.close()\n"
+    "    print(f'rank {rank} done')\n"
+    "    return rank * 10\n"
+    "\n"
+    "notebook_launcher(train, (30,), 2)\n",
+    "def fail():\n"
+    "    import nblaunch\n"
+    "    print(f'rank {nblaunch.rank()} about to fail')\n"
+    "    if nblaunch.rank() == 1:\n"
+    "        raise ValueError('boom on rank 1')\n"
+    "\n"
+    "notebook_launcher(fail, (), 2)\n",
+]
+
+
+@pytest.mark.slow
+def test_a_notebook_saved_without_widget_state_keeps_each_ranks_last_lines(tmp_path):
+    import nbformat
+    from conftest import WIDGET_VIEW
+    from nbclient import NotebookClient
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in TRAINER_NOTEBOOK]
+    path = tmp_path / "trainer.ipynb"
+    client = NotebookClient(
+        notebook,
+        timeout=180,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(tmp_path)}},
+        store_widget_state=False,  # as GitHub, nbviewer or a colleague's Lab would see it
+    )
+    client.execute()
+    nbformat.write(notebook, path)
+    saved = nbformat.read(path, as_version=4)
+    assert "widgets" not in saved.metadata
+
+    def shown(cell, mime):
+        """What a viewer without widgets shows for the cell in ``mime``."""
+        return "\n".join(
+            out.data[mime]
+            for out in cell.outputs
+            if out.output_type in ("display_data", "execute_result")
+            and WIDGET_VIEW not in out.data
+            and mime in out.data
+        )
+
+    trained, failed = saved.cells
+    assert [o for o in trained.outputs if WIDGET_VIEW in o.get("data", {})]  # the live view
+    text, page = shown(trained, "text/plain"), shown(trained, "text/html")
+    assert "nblaunch: finished in " in text
+    assert "rank 0: DONE · returned 0" in text and "rank 1: DONE · returned 10" in text
+    for rank, loss in ((0, 0.0333), (1, 0.0323)):
+        last = f"{{'loss': {loss}, 'epoch': 29}}"
+        assert f"  {last}\n" in text, text
+        assert html.escape(last) in page
+        assert f"rank {rank} done" in text
+        assert re.search(rf"… \d+ earlier lines in .+rank{rank}\.log", text), text
+    assert not [line for line in text.splitlines() if "it/s]" in line and "loss" in line]
+    assert "[30, 0]" not in text  # the cell's own result is its own output
+    text = shown(failed, "text/plain")
+    assert "nblaunch: failed in " in text
+    assert "error: rank 1 of 2 failed: rank 1 raised ValueError: boom on rank 1" in text
+    assert "rank 0 about to fail" in text and "rank 1 about to fail" in text

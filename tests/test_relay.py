@@ -69,12 +69,12 @@ def test_lines_are_split_per_rank_even_when_chunks_interleave(pipes):
 
 def test_carriage_returns_update_one_line_and_crlf_is_a_plain_end(pipes):
     relay, recorder, writers, _ = pipes
-    write(writers, 0, b"10%\r50%\r")  # the last \r may be half of \r\n: held back
+    write(writers, 0, b"10%\r50%\r")  # the last \r may be half of \r\n: 50% is shown, held
     pump(relay)
-    assert recorder.lines(0) == [("10%", True)]
+    assert recorder.lines(0) == [("10%", True), ("50%", True)]
     write(writers, 0, b"\ndone\r\n")
     pump(relay)
-    assert recorder.lines(0) == [("10%", True), ("50%", False), ("done", False)]
+    assert recorder.lines(0) == [("10%", True), ("50%", True), ("50%", False), ("done", False)]
 
 
 def test_stderr_is_tagged_and_invalid_utf8_is_replaced(pipes):
@@ -128,3 +128,102 @@ def test_events_from_ranks_are_returned_and_shown(pipes):
         received += relay.poll(0.05)
     assert received == [{"kind": "result", "rank": 1, "value_bytes": b"x"}]
     assert received[0] in recorder.events
+
+
+# --- progress lines end where the next output begins --------------------------------------------
+
+
+def test_a_bar_is_shown_as_it_stands_and_its_last_state_ends_at_its_newline(pipes):
+    relay, recorder, writers, _ = pipes
+    write(writers, 0, b"\r  0%| 0/6", fd=2)  # tqdm draws: "\r" first, no line end
+    pump(relay)
+    assert recorder.lines(0) == [("", True), ("  0%| 0/6", True)]  # shown before it is redrawn
+    write(writers, 0, b"\r100%| 6/6", fd=2)
+    pump(relay)
+    write(writers, 0, b"\n", fd=2)  # tqdm's close
+    pump(relay)
+    assert recorder.lines(0)[2:] == [("100%| 6/6", True), ("100%| 6/6", False)]
+
+
+def test_output_on_the_other_stream_ends_the_bar_and_the_log_breaks_the_line(pipes):
+    relay, recorder, writers, tmp_path = pipes
+    write(writers, 0, b"\r  0%| 0/4", fd=2)
+    pump(relay)
+    write(writers, 0, b"[transformers] next\n")
+    pump(relay)
+    write(writers, 0, b"\r 50%| 2/4", fd=2)
+    pump(relay)
+    assert recorder.lines(0) == [
+        ("", True),
+        ("  0%| 0/4", True),
+        ("  0%| 0/4", False),  # the bar's last state, ended where stdout's line begins
+        ("[transformers] next", False),
+        ("", True),
+        (" 50%| 2/4", True),  # the bar goes on below the line
+    ]
+    relay.drain_output(timeout=0.2)
+    log = (tmp_path / "rank0.log").read_bytes()
+    assert b"\r  0%| 0/4\n[transformers] next\n\r 50%| 2/4" in log
+
+
+def test_a_log_record_ends_the_bar(pipes):
+    relay, recorder, writers, tmp_path = pipes
+    write(writers, 1, b"\rstep 3/9", fd=2)
+    pump(relay)
+    record = {
+        "kind": "log",
+        "rank": 1,
+        "level": "INFO",
+        "name": "train",
+        "message": "saved",
+        "in_order": False,
+        "seq": 0,
+        "time": time.time(),
+    }
+    writers[1][2].send(record)
+    pump(relay)
+    assert recorder.lines(1)[-1] == ("step 3/9", False)
+    relay.drain_output(timeout=0.2)
+    assert b"\rstep 3/9\nINFO:train: saved\n" in (tmp_path / "rank1.log").read_bytes()
+
+
+def test_text_after_a_drawn_bar_on_the_same_stream_is_a_line_of_its_own(pipes):
+    relay, recorder, writers, tmp_path = pipes
+    write(writers, 0, b"\r  0%| 0/6", fd=2)
+    pump(relay)
+    time.sleep(0.1)  # the Trainer's logger writes to stderr some time after the bar was drawn
+    write(writers, 0, b"[transformers] warning\n", fd=2)
+    pump(relay)
+    assert recorder.lines(0)[-2:] == [("  0%| 0/6", False), ("[transformers] warning", False)]
+    relay.drain_output(timeout=0.2)
+    assert b"\r  0%| 0/6\n[transformers] warning\n" in (tmp_path / "rank0.log").read_bytes()
+
+
+def test_the_rest_of_the_same_write_continues_the_bar(pipes):
+    relay, recorder, writers, _ = pipes
+    write(writers, 0, b"\rdone")  # print("\rdone", 10): two writes, microseconds apart
+    write(writers, 0, b" 10\n")
+    relay.poll(0.05)  # whether the relay reads in between or not
+    pump(relay)
+    assert recorder.lines(0)[-1] == ("done 10", False)
+    assert ("done", False) not in recorder.lines(0)
+
+
+def test_a_cleared_bar_ends_blank_and_tqdm_write_lands_above_the_bar(pipes):
+    relay, recorder, writers, _ = pipes
+    write(writers, 0, b"\r 33%| 2/6", fd=2)
+    pump(relay)
+    # tqdm.write, read in one go: clear the bar, print the line, draw the bar again. The two
+    # pipes were ready together; the bar's own redraw must come after the line, not before.
+    write(writers, 0, b"\r          \r", fd=2)
+    write(writers, 0, b"{'loss': 0.5}\n")
+    write(writers, 0, b"\r 33%| 2/6\r100%| 6/6\n", fd=2)
+    pump(relay)
+    after = recorder.lines(0)[2:]
+    assert after.index(("          ", False)) < after.index(("{'loss': 0.5}", False))
+    assert after.index(("{'loss': 0.5}", False)) < after.index(("100%| 6/6", False))
+    assert [t for t, carriage in after if not carriage] == [
+        "          ",
+        "{'loss': 0.5}",
+        "100%| 6/6",
+    ]

@@ -129,6 +129,55 @@ def test_carriage_return_updates_one_line_in_place(view):
     assert view.lines_received == 3
 
 
+def log_record(rank: int, message: str, level: str = "WARNING") -> dict:
+    return {
+        "kind": "log",
+        "rank": rank,
+        "level": level,
+        "name": "train",
+        "message": message,
+        "in_order": False,
+        "seq": 0,
+        "time": time.time(),
+    }
+
+
+def test_a_cleared_bar_leaves_no_line_and_a_log_record_never_replaces_a_bar(view):
+    view.handle(line(0, "before"))
+    view.handle(line(0, "", fd=2, carriage=True))
+    view.handle(line(0, " 50%| 2/4", fd=2, carriage=True))
+    view.handle(log_record(0, "loss is nan"))  # not the bar's last state
+    view.handle(line(0, "          ", fd=2, carriage=True))
+    view.handle(line(0, "          ", fd=2))  # tqdm leave=False: the bar ends blank
+    view.handle(line(0, "after"))
+    view.handle(line(1, "", carriage=True))
+    view.handle(line(1, ""))  # a bare "\r" then the end: no line either
+    view.handle(line(1, ""))  # but a blank line printed on purpose stays
+    texts = [entry[2] for entry in view._per_rank[0]]
+    assert texts == ["before", "WARNING train: loss is nan", "after"]
+    assert [entry[2] for entry in view._per_rank[1]] == [""]
+    assert view._counts[0] == 3 and len(view._all) == 4
+    view.flush(force=True)
+    assert "50%" not in log_html(view, 1)
+
+
+def test_text_view_prints_a_bars_last_state_once_and_nothing_for_a_cleared_one():
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    v = TextView(out, err)
+    for text in ("", "  0%| 0/3", " 33%| 1/3", "100%| 3/3"):
+        v.handle(line(0, text, fd=2, carriage=True))
+    v.handle(line(0, "100%| 3/3", fd=2))
+    v.handle(line(1, "", fd=2, carriage=True))
+    v.handle(line(1, "     ", fd=2, carriage=True))
+    v.handle(line(1, "     ", fd=2))  # cleared
+    v.handle(line(1, "next"))
+    v.close()
+    assert err.getvalue() == "[rank 0]   0%| 0/3\n[rank 0] 100%| 3/3\n"
+    assert out.getvalue() == "[rank 1] next\n"
+
+
 def test_html_is_escaped_ansi_colours_render_and_long_lines_are_cut(view):
     view.handle(line(0, "<script>alert(1)</script> & \ufffd\ufffd bytes"))
     view.handle(line(0, "\x1b[1;31mred bold\x1b[0m plain \x1b[2K\x1b[38;5;28mgreen\x1b[39m"))
@@ -400,3 +449,83 @@ def test_text_view_prints_rank_prefixed_lines():
     v.close()
     assert "nblaunch: 2 rank(s) on CPU (forkserver, debug)" in out.getvalue()
     assert "[rank 1] hello\n" in out.getvalue() and "[rank 0] INFO step 3\n" in err.getvalue()
+
+
+# --- the static summary keeps the story ----------------------------------------------------------
+
+
+def test_the_summary_keeps_each_ranks_last_lines_and_the_error(view, displayed):
+    for i in range(30):
+        view.handle(line(0, f"{{'loss': {i / 10}}}"))
+    view.handle(line(1, "\x1b[31mred\x1b[0m <b>", fd=2))
+    view.handle({"kind": "result", "rank": 0, "value_bytes": __import__("pickle").dumps(64.0)})
+    view.handle(state(0, RunState.DONE))
+    view.handle(state(1, RunState.FAILED, "ValueError: boom"))
+    view.handle(
+        {
+            "kind": "diagnosis",
+            "title": "rank 1 of 2 failed: rank 1 raised ValueError: boom",
+            "body": "Traceback ...",
+            "severity": "error",
+            "rank": 1,
+            "secondary": [],
+        }
+    )
+    view.handle(
+        {"kind": "run_ended", "ok": False, "elapsed_s": 1.0, "ranks": {0: "returned", 1: "x"}}
+    )
+    view.close()
+    text, page = displayed[-1]["text/plain"], displayed[-1]["text/html"]
+    assert "rank 0: DONE · returned 64.0" in text
+    assert "error: rank 1 of 2 failed: rank 1 raised ValueError: boom" in text
+    # The view keeps 5 lines here (max_lines=5): the summary shows those, and counts the rest.
+    assert "--- rank 0, last 5 lines\n  … 25 earlier lines in /tmp/runs/r1/rank0.log" in text
+    assert "{'loss': 2.9}" in text and "{'loss': 2.5}" in text and "{'loss': 2.4}" not in text
+    assert "  red <b>" in text  # escapes dropped in plain text
+    assert (
+        "{&#x27;loss&#x27;: 2.9}" in page and "25 earlier lines in /tmp/runs/r1/rank0.log" in page
+    )
+    assert "<span style='color:#cd3131'>red</span> &lt;b&gt;" in page
+    assert "rank 1 raised ValueError: boom" in page
+
+
+def test_the_summary_is_bounded_however_many_ranks_print(displayed, monkeypatch):
+    monkeypatch.setattr(widgets, "SUMMARY_TOTAL_LINES", 30)
+    v = LaunchView(max_lines=100)
+    v.handle(run_info(world_size=4))
+    for i in range(400):
+        v.handle(line(i % 4, f"rank {i % 4} line {i} " + "x" * 400))
+    v.handle({"kind": "result", "rank": 0, "value_bytes": b"x" * 10_000})  # too big to show
+    v.handle({"kind": "run_ended", "ok": True, "elapsed_s": 1.0, "ranks": {0: "returned"}})
+    text = v.summary_bundle()["text/plain"]
+    shown = [t for t in text.splitlines() if " line " in t and "earlier" not in t]
+    assert len(shown) == 28  # 7 per rank: 30 lines shared by 4 ranks
+    assert all(len(t) < 320 for t in shown)  # long lines are cut
+    assert "… 93 earlier lines" in text and "rank 0: STARTING · returned\n" in text
+
+
+def test_the_root_cause_that_comes_after_the_end_reaches_the_panel_and_summary(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(widgets, "_display", lambda obj, **kw: calls.append((obj, kw)))
+    v = LaunchView()
+    v.handle(run_info())
+    v.handle(state(1, RunState.FAILED, "ValueError: boom"))
+    v.handle({"kind": "run_ended", "ok": False, "elapsed_s": 1.0, "ranks": {1: "ValueError"}})
+    v.close()
+    # The launcher names the root cause once every rank is stopped and the view is closed.
+    v.handle(
+        {
+            "kind": "diagnosis",
+            "title": "rank 1 of 2 failed: rank 1 raised ValueError: boom",
+            "body": "Traceback ...",
+            "severity": "error",
+            "rank": 1,
+            "secondary": [],
+        }
+    )
+    assert "rank 1 raised ValueError: boom" in html(v, "panel")
+    assert v._widgets["panel"].layout.display == ""
+    _, (summary, first), (updated, second) = calls
+    assert "error:" not in summary["text/plain"] and "update" not in first
+    assert second == {**first, "update": True} and first["display_id"]
+    assert "error: rank 1 of 2 failed: rank 1 raised ValueError: boom" in updated["text/plain"]
