@@ -36,6 +36,18 @@ def state(rank: int, value: RunState, detail: str = "") -> dict:
     return {"kind": "state", "rank": rank, "state": value, "detail": detail}
 
 
+def rank1_failed() -> dict:
+    """The launcher's root-cause diagnosis for rank 1 raising ValueError: boom."""
+    return {
+        "kind": "diagnosis",
+        "title": "rank 1 of 2 failed: rank 1 raised ValueError: boom",
+        "body": "Traceback ...",
+        "severity": "error",
+        "rank": 1,
+        "secondary": [],
+    }
+
+
 @pytest.fixture
 def displayed(monkeypatch) -> list:
     """What the view displays (widget, summary), instead of printing reprs to the terminal."""
@@ -461,16 +473,7 @@ def test_the_summary_keeps_each_ranks_last_lines_and_the_error(view, displayed):
     view.handle({"kind": "result", "rank": 0, "value_bytes": __import__("pickle").dumps(64.0)})
     view.handle(state(0, RunState.DONE))
     view.handle(state(1, RunState.FAILED, "ValueError: boom"))
-    view.handle(
-        {
-            "kind": "diagnosis",
-            "title": "rank 1 of 2 failed: rank 1 raised ValueError: boom",
-            "body": "Traceback ...",
-            "severity": "error",
-            "rank": 1,
-            "secondary": [],
-        }
-    )
+    view.handle(rank1_failed())
     view.handle(
         {"kind": "run_ended", "ok": False, "elapsed_s": 1.0, "ranks": {0: "returned", 1: "x"}}
     )
@@ -513,16 +516,7 @@ def test_the_root_cause_that_comes_after_the_end_reaches_the_panel_and_summary(m
     v.handle({"kind": "run_ended", "ok": False, "elapsed_s": 1.0, "ranks": {1: "ValueError"}})
     v.close()
     # The launcher names the root cause once every rank is stopped and the view is closed.
-    v.handle(
-        {
-            "kind": "diagnosis",
-            "title": "rank 1 of 2 failed: rank 1 raised ValueError: boom",
-            "body": "Traceback ...",
-            "severity": "error",
-            "rank": 1,
-            "secondary": [],
-        }
-    )
+    v.handle(rank1_failed())
     assert "rank 1 raised ValueError: boom" in html(v, "panel")
     assert v._widgets["panel"].layout.display == ""
     _, (summary, first), (updated, second) = calls
