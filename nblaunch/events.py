@@ -49,6 +49,7 @@ class Log(TypedDict):
     message: str
     in_order: bool  # the view shows these in rank order rather than arrival order
     seq: int  # per-rank counter of in-order records, so the parent can line them up
+    collectives: int | None  # collectives the rank had issued when it logged, when known
     time: float
 
 
@@ -145,6 +146,7 @@ class RunInfo(TypedDict):
     debug: bool
     run_dir: str
     warnings: list[str]
+    notes: list[str]  # what nblaunch did that is worth knowing but is no problem
     started_at: float
 
 

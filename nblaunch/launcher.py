@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import multiprocessing
 import os
 import pickle
 import re
@@ -45,6 +46,8 @@ STOP_GRACE_S = 2.0
 # Default hang_timeout: how long nothing may move while ranks wait in collectives.
 DEFAULT_HANG_TIMEOUT_S = 300.0
 TRUE_VALUES = ("1", "true", "yes", "on")
+# What Accelerate (accelerate.utils.str_to_bool) reads as false.
+FALSE_VALUES = ("0", "false", "no", "off", "n", "f")
 
 
 def env_flag(*names: str) -> bool:
@@ -75,6 +78,8 @@ class LaunchPlan:
     run_dir: Path | None
     device_kind: str
     warnings: list[str] = field(default_factory=list)
+    # Things the header says that are not problems, e.g. a variable set for Accelerate.
+    notes: list[str] = field(default_factory=list)
     # Extra settings for in-rank features, e.g. where a restarted batch-size search resumes.
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -99,6 +104,10 @@ class LaunchPlan:
             env["NBLAUNCH_LOG_LEVEL"] = self.log_level
         if self.device_type == "cpu" and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(self.threads_per_rank)
+        if self.device_type == "cpu":
+            # Without it Accelerate's state, and so Transformers' Trainer, looks for a GPU,
+            # finds none and trains every rank alone (NOT_PARALLEL) despite the process group.
+            env.setdefault("ACCELERATE_USE_CPU", "1")
         # The flight recorder names the collective a rank waits in (hang reports).
         process_groups.enable_flight_recorder(env)
         loopback = loopback_interface() if _is_loopback(self.master_addr) else None
@@ -121,6 +130,9 @@ class LaunchPlan:
             "env": self.rank_env(rank),
             "sys_path": list(sys.path),
             "cwd": os.getcwd(),
+            # What the caller's multiprocessing would use (a DataLoader's workers): "fork" on
+            # Linux, as under torchrun, not the forkserver that started the rank.
+            "mp_start_method": multiprocessing.get_start_method(),
             "backend": self.backend,
             "device_type": self.device_type,
             "init_process_group": self.init_process_group,
@@ -340,6 +352,7 @@ def plan_launch(
     from nblaunch.doctor import launch_warnings
 
     warnings += launch_warnings(device_type, num_processes)  # old kernel, mixed GPUs
+    notes = _cpu_library_notes(device_type, num_processes, warnings)
     port = _choose_port(master_addr, master_port)
     backend = {"cuda": "nccl", "cpu": "gloo", "xla": "xla"}[device_type]
     return LaunchPlan(
@@ -359,7 +372,29 @@ def plan_launch(
         run_dir=_new_run_dir(run_dir),
         device_kind=device_kind,
         warnings=warnings,
+        notes=notes,
     )
+
+
+def _cpu_library_notes(device_type: str, num_processes: int, warnings: list[str]) -> list[str]:
+    """Say that CPU ranks get ``ACCELERATE_USE_CPU=1`` (see ``LaunchPlan.rank_env``).
+
+    A value the caller set is kept; one that turns it off gets a warning instead of the note.
+    """
+    if device_type != "cpu":
+        return []
+    value = os.environ.get("ACCELERATE_USE_CPU")
+    if value is None:
+        return [
+            "CPU ranks: ACCELERATE_USE_CPU=1 set so Accelerate and Transformers run "
+            f"distributed on all {num_processes} ranks"
+        ]
+    if value.strip().lower() in FALSE_VALUES and num_processes > 1:
+        warnings.append(
+            f"ACCELERATE_USE_CPU={value} is set: Accelerate and Transformers will train each "
+            "CPU rank alone (NOT_PARALLEL); unset it to train on all ranks together"
+        )
+    return []
 
 
 def _detect_devices(device_type: str | None) -> tuple[str, int, str]:
@@ -624,7 +659,7 @@ class Run:
         for rank in self.supervisor.ranks:
             self.set_state(rank.rank, RunState.STARTING)
 
-    def announce(self, warnings: list[str] | None = None) -> None:
+    def announce(self, warnings: list[str] | None = None, notes: list[str] | None = None) -> None:
         """Publish the run's header (``RunInfo``); a pool sends one per task, to each new view."""
         plan = self.plan
         self.publish(
@@ -636,6 +671,7 @@ class Run:
                 "debug": plan.debug,
                 "run_dir": str(plan.run_dir) if plan.run_dir else "",
                 "warnings": plan.warnings if warnings is None else warnings,
+                "notes": plan.notes if notes is None else notes,
                 "started_at": self.started_at,
             }
         )
@@ -643,10 +679,15 @@ class Run:
     def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
         """Send one task to ``ranks`` (default: all); the run then waits for those ranks only."""
         self.task_ranks = list(range(self.plan.world_size)) if ranks is None else list(ranks)
+        message = {
+            "kind": TASK,
+            "payload": payload,
+            "task_id": task_id,
+            # Only a task on every rank may make the default group again (a collective).
+            "all_ranks": len(self.task_ranks) == self.plan.world_size,
+        }
         for rank in self.task_ranks:
-            self.supervisor.send(
-                self.supervisor.ranks[rank], {"kind": TASK, "payload": payload, "task_id": task_id}
-            )
+            self.supervisor.send(self.supervisor.ranks[rank], message)
 
     def publish(self, event: Event) -> None:
         if self.relay is not None:

@@ -549,6 +549,7 @@ class Head:
                 "debug": plan.debug,
                 "run_dir": str(plan.run_dir) if plan.run_dir else "",
                 "warnings": plan.warnings,
+                "notes": plan.notes,
                 "started_at": time.time(),
             }
         )

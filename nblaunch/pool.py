@@ -413,6 +413,7 @@ class Pool:
         # the rank log files only, so no output shows up under the wrong cell.
         run.relay.sink = NullView()
         run.relay.drain_ready()
+        run.relay.in_order.start_task(task_ranks)  # in-order records wait for these ranks only
         run.view = view
         run.relay.sink = view
         run.outcome = _Outcome()
@@ -431,7 +432,8 @@ class Pool:
         try:
             interrupted = False
             try:
-                run.announce(warnings=[])
+                # The first task's header says what the start set up; later ones stay short.
+                run.announce(warnings=[], notes=None if self.tasks_run == 0 else [])
                 for rank in task_ranks:
                     run.set_state(rank, RunState.RUNNING)
                 run.send_task(payload, self._task_id, task_ranks)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from nblaunch import semaphores
 from nblaunch.errors import LaunchError
 from nblaunch.worker import RANK_FEATURES
 
@@ -68,6 +69,8 @@ class Supervisor:
     world_size: int
     start_method: str = "forkserver"
     ranks: list[RankProcess] = field(default_factory=list)
+    # Where ranks note their semaphores, so those a killed rank left can be released.
+    semaphore_dir: str | None = None
 
     def start(
         self,
@@ -92,6 +95,13 @@ class Supervisor:
         context = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        # Ranks must share this process's resource tracker (forked ones too), so that what a
+        # killed rank left registered can be released from here (nblaunch.semaphores).
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        if self.semaphore_dir is None:
+            self.semaphore_dir = semaphores.directory()
         try:
             with _main_module_hidden():
                 for rank in rank_ids if rank_ids is not None else range(self.world_size):
@@ -101,7 +111,14 @@ class Supervisor:
                     _enlarge_pipe(stdout_w.fileno())
                     process = context.Process(
                         target=worker.main,
-                        args=(rank, child_conn, stdout_w, stderr_w, os.getpid()),
+                        args=(
+                            rank,
+                            child_conn,
+                            stdout_w,
+                            stderr_w,
+                            os.getpid(),
+                            self.semaphore_dir,
+                        ),
                         name=f"nblaunch-rank-{rank}",
                         daemon=False,
                     )
@@ -133,6 +150,7 @@ class Supervisor:
                 rank.process.join()
                 rank.exitcode = rank.process.exitcode
                 rank.ended = True
+                semaphores.release(self.semaphore_dir, rank.pid)  # a killed rank's locks
                 ended.append(rank)
         return ended
 

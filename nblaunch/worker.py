@@ -103,6 +103,7 @@ def main(
     stdout_w: Connection,
     stderr_w: Connection,
     launcher_pid: int,
+    semaphore_dir: str | None = None,
 ) -> None:
     """Entry point of a rank process (the trampoline every start method calls).
 
@@ -117,6 +118,9 @@ def main(
     launcher_pid
         The process that launched the run (the notebook kernel); the rank exits when it dies,
         even though its parent process may be a forkserver.
+    semaphore_dir
+        Where this rank notes its multiprocessing semaphores, so that the supervisor can
+        release those it leaves when it is killed (:mod:`nblaunch.semaphores`).
     """
     global _channel
     # Own process group: a terminal's Ctrl-C reaches only the launcher, which then stops every
@@ -127,6 +131,9 @@ def main(
     signal.signal(signal.SIGINT, _on_sigint)
     _redirect_output(stdout_w, stderr_w)
     _watch_launcher(launcher_pid)
+    from nblaunch import semaphores
+
+    semaphores.track(semaphore_dir)
     _channel = _Channel(conn)
     try:
         setup = _channel.recv()
@@ -218,6 +225,10 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
     sys.path[:] = setup["sys_path"]
     with contextlib.suppress(OSError):
         os.chdir(setup["cwd"])
+    if setup.get("mp_start_method"):
+        import multiprocessing
+
+        multiprocessing.set_start_method(setup["mp_start_method"], force=True)
     try:
         import torch
 
@@ -237,14 +248,15 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
         )
         import_features()
         if setup["init_process_group"]:
-            import torch.distributed as dist
+            from nblaunch import default_group
 
-            dist.init_process_group(
-                backend=setup["backend"],
-                store=_rendezvous_store(rank, _context.world_size),
-                rank=rank,
-                world_size=_context.world_size,
-                device_id=device if device.type == "cuda" else None,
+            # Also takes over init_process_group, so code that makes its own group works.
+            default_group.set_up(
+                _rendezvous_store(rank, _context.world_size),
+                rank,
+                _context.world_size,
+                device,
+                setup["backend"],
             )
     except BaseException as exc:
         emit(failure_event(rank, exc))
@@ -336,6 +348,12 @@ def _run_task(message: dict[str, Any]) -> None:
         with contextlib.ExitStack() as hooks:
             for hook in _task_hooks:
                 hooks.enter_context(hook(_context))
+            if message.get("all_ranks", True):  # only every rank at once can make a group
+                from nblaunch import default_group
+
+                # The previous task may have destroyed it; inside the hooks, so a rank that
+                # waits here for a peer that never comes shows in its heartbeats.
+                default_group.ensure_ready()
             function, args, kwargs = cloudpickle.loads(message["payload"])
             _in_task = True
             try:
@@ -394,10 +412,9 @@ def _innermost_user_frame(exc: BaseException) -> str:
 
 def _tear_down() -> None:
     with contextlib.suppress(Exception):
-        import torch.distributed as dist
+        from nblaunch import default_group
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        default_group.tear_down()  # also when the user destroyed the group already
 
 
 # --- inside a rank: public accessors --------------------------------------------------------------

@@ -103,7 +103,9 @@ class FakeClock:
         return self.now
 
 
-def record(rank: int, seq: int, message: str = "", in_order: bool = True) -> dict:
+def record(
+    rank: int, seq: int, message: str = "", in_order: bool = True, collectives: int | None = None
+) -> dict:
     return {
         "kind": "log",
         "rank": rank,
@@ -112,8 +114,13 @@ def record(rank: int, seq: int, message: str = "", in_order: bool = True) -> dic
         "message": message or f"r{rank}s{seq}",
         "in_order": in_order,
         "seq": seq if in_order else -1,
+        "collectives": collectives,
         "time": 0.0,
     }
+
+
+def heartbeat(rank: int, collectives: int | None) -> dict:
+    return {"kind": "heartbeat", "rank": rank, "seq": collectives}
 
 
 def messages(events: list[dict]) -> list[str]:
@@ -131,14 +138,49 @@ def test_in_order_records_are_released_by_step_then_rank():
     assert order.feed(plain) == [plain]  # not in order: shown at once
 
 
-def test_a_rank_that_logs_fewer_records_delays_the_others_only_briefly():
+def test_a_rank_that_starts_logging_late_keeps_its_place_up_to_the_timeout():
     clock = FakeClock()
-    order = InOrderLog([0, 1], wait_s=0.4, clock=clock)
-    assert messages(order.feed(record(1, 0))) == []
+    order = InOrderLog([0, 1], clock=clock)
+    assert order.wait_s == 30.0
+    assert order.feed(record(1, 0)) == []
+    clock.now += 29.9  # rank 0 is busy (loading data, say): no timing guess releases rank 1's
     assert order.poll() == []
-    clock.now += 0.5
-    assert messages(order.poll()) == ["r1s0"]  # waited its 0.4 s, then shown alone
-    assert messages(order.feed(record(0, 0))) == ["r0s0"]
+    assert messages(order.feed(record(0, 0))) == ["r0s0", "r1s0"]
+
+
+def test_a_rank_without_records_or_collectives_is_waited_for_once():
+    clock = FakeClock()
+    order = InOrderLog([0, 1], wait_s=30, clock=clock)
+    assert order.feed(record(1, 0)) == []
+    clock.now += 30
+    assert messages(order.poll()) == ["r1s0"]  # waited its 30 s, then shown alone
+    assert messages(order.feed(record(1, 1))) == ["r1s1"]  # rank 0 is not waited for again...
+    assert messages(order.feed(record(0, 0))) == ["r0s0"]  # (late: its group is out already)
+    assert order.feed(record(1, 2)) == []  # ...until it logs in order again
+    assert messages(order.feed(record(0, 1))) == ["r0s1"]
+    assert messages(order.feed(record(0, 2))) == ["r0s2", "r1s2"]
+
+
+def test_a_rank_past_the_next_collective_is_accounted_for():
+    order = InOrderLog([0, 1, 2], clock=FakeClock())
+    assert order.feed(record(0, 0, collectives=4)) == []
+    assert order.feed(record(2, 0, collectives=5)) == []  # the group waits up to collective 5
+    beat = heartbeat(1, 5)
+    assert order.feed(beat) == [beat]  # rank 1 is in collective 5, as the others were: waits
+    assert messages(order.feed(heartbeat(1, 6))) == ["r0s0", "r2s0", "heartbeat"]  # moved on
+    assert order.feed(record(0, 1, collectives=6)) == []
+    assert order.feed(heartbeat(2, 7)) == [heartbeat(2, 7)]  # rank 2 moved on; rank 1 not yet
+    plain = record(1, 0, "plain", in_order=False, collectives=7)  # any log record counts too
+    assert messages(order.feed(plain)) == ["r0s1", "plain"]
+
+
+def test_without_collective_counts_only_records_and_finishing_count():
+    order = InOrderLog([0, 1], clock=FakeClock())
+    assert order.feed(record(0, 0)) == []  # no process group: no count
+    assert order.feed(heartbeat(1, None)) == [heartbeat(1, None)]
+    assert order.feed(heartbeat(1, 9)) == [heartbeat(1, 9)]
+    failure = {"kind": "failure", "rank": 1}
+    assert messages(order.feed(failure)) == ["r0s0", "failure"]  # a failed rank sends no more
 
 
 def test_a_slower_rank_keeps_its_place_while_it_keeps_logging():
@@ -171,6 +213,19 @@ def test_a_finished_rank_is_not_waited_for():
     assert messages(released) == ["r1s0", "r1s1", "finished"]
     assert messages(order.feed(record(1, 2))) == ["r1s2"]  # nothing left to wait for
     assert messages(order.feed({"kind": "finished", "rank": 1})) == ["finished"]
+
+
+def test_a_pool_task_on_some_ranks_waits_for_those_only():
+    order = InOrderLog([0, 1, 2], clock=FakeClock())
+    order.start_task([0, 2])
+    assert order.feed(record(2, 0)) == []
+    assert messages(order.feed(record(0, 0))) == ["r0s0", "r2s0"]  # rank 1 runs nothing
+    assert order.feed(record(0, 1)) == []  # waits for rank 2, not for rank 1
+    assert messages(order.feed({"kind": "finished", "rank": 2})) == ["r0s1", "finished"]
+    assert messages(order.feed({"kind": "finished", "rank": 0})) == ["finished"]  # task over
+    assert order.feed(record(0, 0)) == []  # the next task: every rank again
+    assert order.feed(record(2, 0)) == []
+    assert messages(order.feed(record(1, 0))) == ["r0s0", "r1s0", "r2s0"]
 
 
 def test_flush_releases_everything_in_order():
@@ -297,3 +352,100 @@ def test_in_order_with_rank_1_at_warning_level_does_not_deadlock():
         "[rank 0] INFO step 2",
     ]
     assert "[rank 1] WARNING done" in lines
+
+
+# --- in_order with ranks seconds apart (real processes) -------------------------------------------
+
+
+class TimedRecorder(Recorder):
+    """A recorder that also notes when each event reached the view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived: list[float] = []
+
+    def handle(self, event) -> None:
+        super().handle(event)
+        self.arrived.append(time.monotonic())
+
+    def shown_at(self, message: str) -> float:
+        for event, at in zip(self.events, self.arrived, strict=True):
+            if event["kind"] == "log" and event["message"] == message:
+                return at
+        raise AssertionError(f"{message!r} never reached the view")
+
+
+def skewed_logging(counts: tuple[int, int], late_rank: int, skew_s: float = 3.0):
+    """A task: rank ``r`` logs ``counts[r]`` in-order records, ``late_rank`` ``skew_s`` late."""
+
+    def work():
+        import time
+
+        import nblaunch
+
+        logger = nblaunch.get_logger("skew", log_level="INFO")
+        rank = nblaunch.rank()
+        if rank == late_rank:
+            time.sleep(skew_s)  # the other rank, say, loaded the data first
+        began = time.monotonic()
+        for step in range(counts[rank]):
+            logger.info("step %d", step, in_order=True)
+        return time.monotonic() - began  # how long logging took this rank: it never waits
+
+    return work
+
+
+@pytest.mark.parametrize("late_rank", [1, 0])
+def test_in_order_keeps_rank_order_when_a_rank_starts_logging_seconds_later(late_rank):
+    results, lines = launch(skewed_logging((3, 3), late_rank))
+    assert lines == [f"[rank {rank}] INFO step {step}" for step in range(3) for rank in (0, 1)]
+    assert max(results) < 1.0  # ordering cost the ranks nothing
+
+
+@pytest.mark.parametrize(
+    ("counts", "late_rank"),
+    [((4, 2), 1), ((2, 4), 0)],
+    ids=["late-rank-logs-fewer", "late-rank-logs-more"],
+)
+def test_in_order_with_skewed_ranks_logging_different_numbers_of_records(counts, late_rank):
+    results, lines = launch(skewed_logging(counts, late_rank))
+    expected = [
+        f"[rank {rank}] INFO step {step}"
+        for step in range(max(counts))
+        for rank in (0, 1)
+        if step < counts[rank]
+    ]
+    assert lines == expected
+    assert max(results) < 1.0
+
+
+def test_a_rank_past_the_next_collective_is_not_waited_for():
+    def work():
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        import nblaunch
+
+        logger = nblaunch.get_logger("past", log_level="INFO")
+        rank = nblaunch.rank()
+        logger.info("a", in_order=True)
+        if rank == 0:
+            logger.info("only rank 0 logs this", in_order=True)
+        dist.all_reduce(torch.ones(1))  # rank 1 moves on without a second in-order record...
+        if rank == 1:
+            time.sleep(4)  # ...and keeps busy: its heartbeats say it is past that point
+        return rank
+
+    plan = plan_launch(work, 2, device_type="cpu", timeout=60)
+    recorder = TimedRecorder()
+    assert Run(plan, recorder).execute(serialize_payload(work)) == [0, 1]
+    assert recorder.logs() == [
+        "[rank 0] INFO a",
+        "[rank 1] INFO a",
+        "[rank 0] INFO only rank 0 logs this",
+    ]
+    ended = recorder.arrived[-1]
+    # shown about a heartbeat after the all_reduce, not when rank 1 finished 4 s later
+    assert ended - recorder.shown_at("only rank 0 logs this") > 2.0

@@ -536,3 +536,83 @@ def test_cells_run_on_a_running_pool_and_keep_their_state(ip):
 
 def distributed_on_pool(ip, line: str, cell: str):
     return ip.run_cell_magic("distributed", line, cell)  # no -n: the pool's ranks
+
+
+# --- code that makes and destroys its own process group -------------------------------------------
+
+# The PyTorch DDP tutorial's setup, cleanup, ToyModel and demo_basic, as a notebook cell (only
+# `.to(rank)` and `device_ids=[rank]` are left out: these ranks run on the CPU).
+DDP_TUTORIAL_CELL = """
+import os
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.optim as optim
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def setup(rank, world_size):
+    os.environ['MASTER_ADDR'] = 'localhost'
+    os.environ['MASTER_PORT'] = '12355'
+
+    # initialize the process group
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+def cleanup():
+    dist.destroy_process_group()
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super(ToyModel, self).__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.net2(self.relu(self.net1(x)))
+
+def demo_basic(rank, world_size):
+    print(f"Running basic DDP example on rank {rank}.")
+    setup(rank, world_size)
+
+    # create model and wrap it with DDP
+    model = ToyModel()
+    ddp_model = DDP(model)
+
+    loss_fn = nn.MSELoss()
+    optimizer = optim.SGD(ddp_model.parameters(), lr=0.001)
+
+    optimizer.zero_grad()
+    outputs = ddp_model(torch.randn(20, 10))
+    labels = torch.randn(20, 5)
+    loss_fn(outputs, labels).backward()
+    optimizer.step()
+
+    cleanup()
+
+def all_reduce_sum():
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    return total.item()
+"""
+
+
+def test_the_ddp_tutorial_in_cells_one_shot_and_on_the_pool(ip):
+    from nblaunch.pool import start_pool
+
+    assert ip.run_cell(DDP_TUTORIAL_CELL).success
+    cell = "demo_basic(rank, world_size)\ndist.is_initialized()"
+    assert distributed(ip, "", cell) is False
+    pool = start_pool(2, device_type="cpu", display="none")
+    try:
+        for _ in range(2):  # every cell sets up and cleans up, as the tutorial's demos do
+            assert distributed_on_pool(ip, "", cell) is False
+        # A cell that does not set up finds a ready group again.
+        assert distributed_on_pool(ip, "", "all_reduce_sum()") == 3.0
+        # A cell on some ranks never makes the group again (that takes every rank)...
+        assert distributed_on_pool(ip, "--ranks 0", "cleanup()\ndist.is_initialized()") is False
+        assert distributed_on_pool(ip, "--ranks 0", "dist.is_initialized()") is False
+        # ...and ranks that each destroyed theirs in a cell of their own meet again.
+        distributed_on_pool(ip, "--ranks 1", "cleanup()")
+        assert distributed_on_pool(ip, "", "all_reduce_sum()") == 3.0
+    finally:
+        pool.close()
