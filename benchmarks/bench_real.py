@@ -36,7 +36,8 @@ environment. Columns:
   root cause condensed: rank, exit code, and the last line of that rank's traceback;
 - right rank: whether the ranks the report blames are exactly the scenario's culprits (the rule
   is printed under the table). nblaunch's blamed rank is ``exc.rank``, else the rank in its
-  ``raised on rank N`` note, else the rank(s) the first line starts with; a
+  ``raised on rank N`` note (every rank for ``raised on every rank``), else the rank(s) the
+  first line starts with; a
   ``ChildFailedError`` blames its root-cause rank, the failure with the earliest error-file
   timestamp; those are whole seconds, so when the raising rank and its peer (which then sees
   "Connection closed by peer") fail within the same second the tie goes to the first rank in
@@ -146,6 +147,9 @@ def nblaunch_blamed(exc: BaseException) -> list[int]:
         match = re.search(r"raised on rank (\d+)", note)
         if match:
             return [int(match.group(1))]
+        match = re.search(r"raised on every rank \((\d+) of", note)
+        if match:  # debug mode's verdict, reached together: the report names every rank's call
+            return list(range(int(match.group(1))))
     return subject_ranks(str(exc).splitlines()[0] if str(exc) else "")
 
 

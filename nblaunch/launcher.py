@@ -43,6 +43,8 @@ DEVICE_TYPES = ("cuda", "cpu", "xla")
 SECONDARY_GRACE_S = 3.0
 # After a root cause, how long the other ranks get to stop before SIGKILL.
 STOP_GRACE_S = 2.0
+# How long the other ranks' DistributedOperationException is waited for after the first one's.
+VERDICT_WAIT_S = 1.0
 # Default hang_timeout: how long nothing may move while ranks wait in collectives.
 DEFAULT_HANG_TIMEOUT_S = 300.0
 TRUE_VALUES = ("1", "true", "yes", "on")
@@ -725,7 +727,7 @@ class Run:
                     outcome.root = root
                     return
             primaries = [f for f in outcome.failures if not f["secondary"]]
-            if primaries:
+            if primaries and not self._verdict_pending(primaries[0]):
                 outcome.root = primaries[0]
                 return
             if outcome.failures:
@@ -736,6 +738,15 @@ class Run:
             if deadline is not None and time.monotonic() > deadline:
                 self._on_timeout()
                 return
+
+    def _verdict_pending(self, first: dict[str, Any]) -> bool:
+        """Debug mode's verdict is reached by every rank at once: wait briefly for the others'
+        (``VERDICT_WAIT_S``), so that the report can say it was raised everywhere."""
+        if not _is_verdict(first):
+            return False
+        failed = {f["rank"] for f in self.outcome.failures}
+        waited = time.monotonic() - first.get("received_at", float("-inf"))
+        return not failed >= set(self.task_ranks) and waited < VERDICT_WAIT_S
 
     def _on_event(self, event: dict[str, Any]) -> None:
         for monitor in self.monitors:
@@ -749,6 +760,7 @@ class Run:
         elif kind == "failure":
             event = dict(event)
             event["secondary"] = errors.is_secondary_failure(event["exc_type"], event["message"])
+            event["received_at"] = time.monotonic()
             self.outcome.failures.append(event)
             self.set_state(
                 rank, RunState.FAILED, f"{_short_type(event['exc_type'])}: {event['message']}"[:200]
@@ -990,7 +1002,12 @@ class Run:
         else:
             exc = _recreate_exception(root, n)
         note = f"raised on rank {rank} of {n}"
-        if root["secondary"]:
+        alike = self._same_failure_everywhere(root)
+        if alike:
+            # Debug mode's verdict, reached by every rank together: no rank is the culprit.
+            note = f"raised on every rank ({len(alike)} of {n}), with the same message"
+            others = [line for line in others if line not in map(_describe_failure, alike)]
+        elif root["secondary"]:
             note += " (it looks like a consequence of a peer's failure; no other cause was seen)"
         if others:
             note += "\nOther ranks:\n" + "\n".join(f"  {line}" for line in others)
@@ -1009,6 +1026,18 @@ class Run:
             }
         )
         return exc
+
+    def _same_failure_everywhere(self, root: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every task rank's failure when all raised debug mode's verdict, the root's, else []."""
+        if not _is_verdict(root):
+            return []
+        alike = {
+            f["rank"]: f
+            for f in self.outcome.failures
+            if f["kind"] == "failure"
+            and (f["exc_type"], f["message"]) == (root["exc_type"], root["message"])
+        }
+        return [alike[r] for r in self.task_ranks] if set(alike) == set(self.task_ranks) else []
 
     def _debug_hint(self, root: dict[str, Any], exc: BaseException) -> str:
         """Suggest debug mode when a run without it failed or stalled inside a collective."""
@@ -1069,6 +1098,13 @@ def _describe_failure(failure: dict[str, Any]) -> str:
             text += " (a consequence of a peer's failure)"
         return text
     return f"rank {failure['rank']} {failure['message']}"
+
+
+def _is_verdict(failure: dict[str, Any]) -> bool:
+    """Whether a failure is debug mode's DistributedOperationException (raised by every rank)."""
+    return failure["kind"] == "failure" and failure["exc_type"].endswith(
+        ".DistributedOperationException"
+    )
 
 
 def _short_type(qualified: str) -> str:

@@ -314,13 +314,17 @@ def mismatch_message(records: list[dict[str, Any]]) -> str | None:
     """The report for records that disagree, or ``None`` when the call is consistent."""
     first = records[0]
     if len({r["op"] for r in records}) > 1:
-        said = ", ".join(
-            f"rank {r['rank']} called {_short(r['op'])} at {r['site']}" for r in records
+        said = (" while " if len(records) == 2 else ", ").join(
+            f"rank {r['rank']} {_entered(r['op'])} at {r['site']}" for r in records
         )
         return (
             "Cannot apply desired operation: processes called different collectives at the same "
             f"step ({said}).\n\nOperations:\n"
-            + "".join(f"  - Process {r['rank']}: `{r['op']}` at {r['site']}\n" for r in records)
+            + "".join(
+                f"  - Process {r['rank']}: `{r['op']}` at {r['site']}, input shapes "
+                f"{_listing(r, 'shapes')}\n"
+                for r in records
+            )
             + "\nEvery rank must call the same collectives in the same order; look for a branch "
             "on the rank or a loop that runs a different number of times on some ranks."
         )
@@ -423,6 +427,13 @@ def _format_item(item: Any) -> str:
 
 def _short(operation: str) -> str:
     return operation.rsplit(".", 1)[-1]
+
+
+def _entered(operation: str) -> str:
+    """``called all_reduce``; a collective a library issues itself is ``entered``."""
+    if operation == DDP_ALL_REDUCE:
+        return f"entered {operation}"
+    return f"called {_short(operation)}"
 
 
 # --- torch.distributed, patched inside ranks in debug mode ---------------------------------------
@@ -546,8 +557,11 @@ def verified_collectives() -> Iterator[None]:
     """Verify torch.distributed's own collectives inside this block (debug mode does this).
 
     Replaces ``torch.distributed.all_reduce``, ``broadcast``, ... (see ``PATCHED``) by wrappers
-    that verify each call first, and restores the originals on exit.
+    that verify each call first, gives every DDP model made inside the block a comm hook that
+    verifies its gradient all-reduce (:class:`_VerifiedGradientHook`), and restores the
+    originals on exit.
     """
+    global _verifying
     import torch.distributed as dist
 
     saved: dict[str, Any] = {}
@@ -557,11 +571,103 @@ def verified_collectives() -> Iterator[None]:
             continue
         saved[name] = original
         setattr(dist, name, _wrap(name, original))
+    restore_ddp = _verify_ddp_models()
+    previous, _verifying = _verifying, True
     try:
         yield
     finally:
+        _verifying = previous
+        restore_ddp()
         for name, original in saved.items():
             setattr(dist, name, original)
+
+
+# --- DDP's gradient all-reduce, verified in debug mode -------------------------------------------
+# DDP all-reduces gradients from C++ inside backward(), where no Python collective can be
+# patched. Its one Python entry point is the communication hook: debug mode registers one that
+# verifies each bucket like any other collective, then all-reduces it as DDP's default does
+# (divide by the world size, sum), so the gradients are the same bits as without the hook.
+
+DDP_ALL_REDUCE = "DDP's backward all-reduce"
+_verifying = False  # inside verified_collectives(): hooks made earlier stop verifying outside
+
+
+class _VerifiedGradientHook:
+    """A DDP model's comm hook state: verify the bucket, then run the hook the user chose.
+
+    DDP takes one hook per model, and this one is registered first; a hook the user registers
+    later (``register_comm_hook``, or a built-in such as FP16 compression) is kept here and runs
+    in place of the default all-reduce.
+    """
+
+    def __init__(self, process_group: Any) -> None:
+        self.process_group = process_group
+        self.user_state: Any = None
+        self.user_hook: Callable[[Any, Any], Any] | None = None
+
+    def __call__(self, bucket: Any) -> Any:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if _verifying:
+            verify(DDP_ALL_REDUCE, inputs=[bucket.buffer()], group=self.process_group)
+        with _verified_region():  # the hook's own all_reduce is not verified again
+            if self.user_hook is not None:
+                return self.user_hook(self.user_state, bucket)
+            return default_hooks.allreduce_hook(self.process_group, bucket)
+
+
+def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+    # No annotations: DDP refuses a hook whose ``bucket`` is annotated as anything but GradBucket.
+    return state(bucket)
+
+
+def _verify_ddp_models() -> Callable[[], None]:
+    """Patch ``DistributedDataParallel`` so new models get the verifying hook; return the undo."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if hasattr(DDP.__init__, "__nblaunch_original__"):
+        return lambda: None
+    original_init = DDP.__init__
+    original_register = DDP.register_comm_hook
+    original_builtin = DDP._register_builtin_comm_hook
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        self._nblaunch_hook = _VerifiedGradientHook(self.process_group)
+        original_register(self, self._nblaunch_hook, _ddp_comm_hook)
+
+    @functools.wraps(original_register)
+    def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
+        ours = getattr(self, "_nblaunch_hook", None)
+        if ours is None or ours.user_hook is not None:
+            return original_register(self, state, hook)  # torch explains a second hook
+        ours.user_state, ours.user_hook = state, hook
+
+    @functools.wraps(original_builtin)
+    def register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ours = getattr(self, "_nblaunch_hook", None)
+        python_hook = {
+            "ALLREDUCE": default_hooks.allreduce_hook,
+            "FP16_COMPRESS": default_hooks.fp16_compress_hook,
+        }.get(getattr(comm_hook_type, "name", ""))
+        if ours is None or ours.user_hook is not None or python_hook is None:
+            return original_builtin(self, comm_hook_type)
+        ours.user_state, ours.user_hook = self.process_group, python_hook
+
+    __init__.__nblaunch_original__ = original_init  # type: ignore[attr-defined]
+    DDP.__init__ = __init__
+    DDP.register_comm_hook = register_comm_hook
+    DDP._register_builtin_comm_hook = register_builtin_comm_hook
+
+    def restore() -> None:
+        DDP.__init__ = original_init
+        DDP.register_comm_hook = original_register
+        DDP._register_builtin_comm_hook = original_builtin
+
+    return restore
 
 
 def _task_hook(context: worker.RankContext) -> contextlib.AbstractContextManager[Any]:

@@ -105,14 +105,26 @@ def in_flight(group: str, seq: int) -> InFlight | None:
     return None
 
 
-def collective_label(operation: str, functions: list[str], files: list[str]) -> str:
+def collective_label(
+    operation: str, functions: list[str], files: list[str], checked: str | None = None
+) -> str:
     """Name a collective by who issued it, from the functions and files on the issuing stack.
 
     DDP's reducer issues its gradient all-reduce from C++ during ``backward()``; its forward
-    syncs buffers and rebuilds buckets; FSDP's collectives come from its own modules.
+    syncs buffers and rebuilds buckets; FSDP's collectives come from its own modules. In debug
+    mode the waiting collective may be the check (``nblaunch.ops.verify``) run before the
+    operation ``checked``.
     """
-    op = operation.replace("_", "-")
     normalised = [file.replace("\\", "/") for file in files]
+    if checked is None:
+        return _issuer_label(operation, functions, normalised)
+    if "." in checked:  # torch.distributed.<name>: say who called it
+        checked = _issuer_label(checked.rsplit(".", 1)[-1], functions, normalised)
+    return f"debug mode's check before {checked}"
+
+
+def _issuer_label(operation: str, functions: list[str], normalised: list[str]) -> str:
+    op = operation.replace("_", "-")
     if any("/torch/distributed/fsdp/" in file for file in normalised):
         return f"FSDP {op}"
     ddp = [

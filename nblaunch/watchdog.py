@@ -124,6 +124,8 @@ def _is_collective_name(name: str) -> bool:
 # Where nblaunch calls the user's task: the frames above it are the process bootstrap (the
 # forkserver's ``<string>`` frame) and nblaunch's loop, never the user's code.
 _TASK_ENTRY = worker._run_task.__code__
+# Debug mode's check before a collective (nblaunch.ops.verify): its frame names the operation.
+_VERIFY = ("verify", os.path.join(_NBLAUNCH_DIR, "ops.py"))
 
 
 @dataclass
@@ -417,9 +419,12 @@ class HeartbeatThread:
             entry = process_groups.in_flight(group, seq)  # None when the recorder is off
             frame = sys._current_frames().get(self.target)
             functions, files = [], []
+            checked = None  # in debug mode: the operation whose check this collective is
             while frame is not None:
                 functions.append(frame.f_code.co_name)
                 files.append(frame.f_code.co_filename)
+                if (frame.f_code.co_name, frame.f_code.co_filename) == _VERIFY:
+                    checked = frame.f_locals.get("operation")
                 frame = frame.f_back
             del frame
             operation = entry.operation if entry else called or "collective"
@@ -427,7 +432,7 @@ class HeartbeatThread:
                 "group": group,
                 "group_desc": entry.group_desc if entry else "",
                 "seq": seq,
-                "label": process_groups.collective_label(operation, functions, files),
+                "label": process_groups.collective_label(operation, functions, files, checked),
                 "shapes": entry.shapes if entry else [],
             }
         return self._described

@@ -145,8 +145,8 @@ def test_in_the_notebook_the_report_is_raised_once_as_the_root_cause():
     assert time.monotonic() - started < 30  # an error, not a hang
     assert str(info.value).startswith(SHAPE_TABLE.format(op="nblaunch.ops.broadcast"))
     notes = "\n".join(getattr(info.value, "__notes__", []))
-    assert "raised on rank" in notes
-    assert "Input shapes" not in notes  # other ranks are summarised in one line, not repeated
+    assert "raised on every rank (2 of 2)" in notes  # the verdict is every rank's, not one's
+    assert "Input shapes" not in notes  # the other ranks' identical reports are not repeated
     assert "debug=True" not in notes  # debug mode was on: no hint to turn it on
 
 

@@ -13,9 +13,14 @@ import sys
 import time
 
 import pytest
-from conftest import rank_children, wait_until
+from conftest import ROOT, rank_children, wait_until
 
-from nblaunch import DistributedHangError, RankFailedError, notebook_launcher
+from nblaunch import (
+    DistributedHangError,
+    DistributedOperationException,
+    RankFailedError,
+    notebook_launcher,
+)
 
 
 def launch(function, args=(), **kwargs):
@@ -126,3 +131,130 @@ def test_the_debug_mode_hint_is_only_given_for_failures_inside_collectives():
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "raised on rank" in notes
     assert "debug=True" not in notes  # torch.distributed was involved, but no collective
+
+
+# --- the bench_real scenarios: DDP, FSDP2, Trainer, Lightning, with and without debug mode -------
+
+BENCHMARKS = ROOT / "benchmarks"
+# What each scenario must end with: the exception type and the start of its first line.
+EXPECTED = {
+    "ddp_uneven": (DistributedHangError, "rank 1 of 2 returned while rank 0 waits"),
+    "ddp_early_break": (DistributedHangError, "rank 1 of 2 returned while rank 0 waits"),
+    "fsdp2_skip": (DistributedHangError, "rank 1 of 2 returned while rank 0 waits"),
+    "hf_trainer_raise": (RuntimeError, "boom at step 3"),
+    "lightning_raise": (RuntimeError, "boom at step 2"),
+}
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    """``benchmarks/real_scenarios.py`` (the ranks import it by name: its folder is on sys.path)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_real
+        import real_scenarios
+
+        yield real_scenarios, bench_real.nblaunch_blamed
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+@pytest.mark.parametrize("name", [*EXPECTED, "mismatched_collectives"])
+def test_each_real_training_failure_names_the_right_rank_in_seconds(scenarios, name, debug):
+    real_scenarios, blamed = scenarios
+    scenario = real_scenarios.SCENARIOS[name]
+    if name in ("hf_trainer_raise", "lightning_raise"):
+        pytest.importorskip("transformers" if name == "hf_trainer_raise" else "lightning")
+    started = time.monotonic()
+    with pytest.raises(Exception) as info:
+        launch(scenario.function, debug=debug)  # the default hang_timeout: 300 s
+    elapsed = time.monotonic() - started
+    first_line = str(info.value).splitlines()[0]
+    if name == "mismatched_collectives" and not debug:
+        # gloo aborts the process on the size mismatch: the best a run without checks can do is
+        # say so and point at debug mode.
+        assert isinstance(info.value, RankFailedError), info.value
+        assert "collective mismatch" in str(info.value)
+        assert "debug=True" in "\n".join(info.value.__notes__)
+    elif name == "mismatched_collectives":
+        assert isinstance(info.value, DistributedOperationException), info.value
+        line = line_of(real_scenarios.mismatched_collectives, "    dist.all_reduce(t)")
+        backward = line_of(real_scenarios.mismatched_collectives, "    loss.backward()")
+        assert (
+            f"rank 0 called all_reduce at real_scenarios.py:{line} while rank 1 entered DDP's "
+            f"backward all-reduce at real_scenarios.py:{backward}"
+        ) in first_line
+        assert "input shapes [577]" in str(info.value)  # the gradient bucket
+        assert set(blamed(info.value)) == scenario.culprits  # raised on every rank
+    else:
+        exc_type, start = EXPECTED[name]
+        assert isinstance(info.value, exc_type), info.value
+        assert first_line.startswith(start), first_line
+        assert set(blamed(info.value)) == scenario.culprits, info.value
+    if name == "fsdp2_skip":
+        check = "debug mode's check before " if debug else ""
+        assert f"rank 0 waits in {check}FSDP all-gather" in first_line, first_line
+    assert elapsed < 60, elapsed
+    assert_nothing_left()
+
+
+def ddp_gradients(comm_hook: str | None = None):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+    calls = []
+    if comm_hook == "user":
+
+        def counting_hook(state, bucket):
+            calls.append(bucket.index())
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+    elif comm_hook == "builtin":
+        model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        model(torch.randn(8, 4, generator=generator)).sum().backward()
+    return [p.grad.flatten().tolist() for p in model.parameters()], len(calls)
+
+
+@pytest.mark.parametrize("comm_hook", [None, "user", "builtin"])
+def test_debug_mode_leaves_ddp_gradients_and_a_users_comm_hook_as_they_were(comm_hook):
+    plain = launch(ddp_gradients, (comm_hook,))
+    checked = launch(ddp_gradients, (comm_hook,), debug=True)
+    assert checked == plain  # bit for bit
+    assert checked[0] == checked[1]
+    if comm_hook == "user":
+        assert [calls for _, calls in checked] == [3, 3]  # the user's hook still ran each step
+
+
+def test_in_a_kernel_a_rank_that_left_a_ddp_loop_fails_the_cell_with_its_line(kernel):
+    cell = kernel.run(
+        "import torch, torch.distributed as dist\n"
+        "from nblaunch import notebook_launcher\n"
+        "def train():\n"
+        "    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))\n"
+        "    for _ in range(5 if dist.get_rank() == 0 else 4):\n"
+        "        model(torch.randn(8, 4)).sum().backward()\n"
+        "notebook_launcher(train, num_processes=2, device_type='cpu', display='text')\n",
+        timeout=120,
+    )
+    assert cell["error"] == "DistributedHangError", cell
+    assert cell["seconds"] < 30, cell
+    assert cell["message"].startswith("rank 1 of 2 returned while rank 0 waits"), cell
+    assert "DDP gradient all-reduce" in cell["message"]
+    assert (
+        "at Cell In[1]:6 in train: `model(torch.randn(8, 4)).sum().backward()`" in (cell["message"])
+    ), cell["message"]
+    left = kernel.run(
+        "import psutil\n"
+        "from multiprocessing import forkserver as fs, resource_tracker as rt\n"
+        "helpers = {fs._forkserver._forkserver_pid, rt._resource_tracker._pid}\n"
+        "print(len([c for c in psutil.Process().children(recursive=True)\n"
+        "           if c.pid not in helpers and c.status() != psutil.STATUS_ZOMBIE]))"
+    )
+    assert left["out"].strip() == "0", left
