@@ -113,7 +113,8 @@ def run_script_command(args: argparse.Namespace) -> int:
         return 2
     except BaseException as exc:  # the failing rank's own exception, with its traceback
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-        return 1
+        code = getattr(exc, "exitcode", None)  # a rank's sys.exit(code) is the script's too
+        return code if isinstance(code, int) and 0 < code < 256 else 1
     return 0
 
 
@@ -124,11 +125,7 @@ def run_script(path: str, argv: list[str]) -> None:
 
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(path))  # as `python SCRIPT` does
-    try:
-        runpy.run_path(path, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise
+    runpy.run_path(path, run_name="__main__")  # sys.exit() is the rank's to report
 
 
 def add_join_command(subparsers: Subparsers) -> None:

@@ -110,6 +110,7 @@ class Result(TypedDict):
     kind: Literal["result"]
     rank: int
     value_bytes: bytes
+    called_exit: bool  # the task ended with sys.exit(0) (value None), not a return
 
 
 class Finished(TypedDict):

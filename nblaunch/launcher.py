@@ -36,13 +36,17 @@ from nblaunch.errors import LaunchError, LaunchTimeoutError, RankFailedError
 from nblaunch.events import Event, EventSink, RunState
 from nblaunch.relay import Relay
 from nblaunch.supervisor import Supervisor, check_start_method
-from nblaunch.worker import SETUP, STOP, TASK
+from nblaunch.worker import SETUP, STOP, TASK, safe_str
 
 DEVICE_TYPES = ("cuda", "cpu", "xla")
 # How long a secondary failure ("connection reset by peer") waits for the primary one to show.
 SECONDARY_GRACE_S = 3.0
 # After a root cause, how long the other ranks get to stop before SIGKILL.
 STOP_GRACE_S = 2.0
+# More CPU ranks than this per core are refused unless NBLAUNCH_MAX_PROCESSES allows them.
+CPU_RANKS_PER_CORE = 4
+# How long the other ranks get to stop once a root cause (a failure, a death, a hang) is known.
+KNOWN_CAUSE_GRACE_S = 0.5
 # How long the other ranks' DistributedOperationException is waited for after the first one's.
 VERDICT_WAIT_S = 1.0
 # Default hang_timeout: how long nothing may move while ranks wait in collectives.
@@ -347,10 +351,9 @@ def plan_launch(
             f"num_processes={num_processes} but only {device_count} {device_type.upper()} "
             f"device(s) are visible; use at most {device_count}, or device_type='cpu'"
         )
-    if device_type == "cpu" and num_processes > (os.cpu_count() or 1):
-        warnings.append(
-            f"{num_processes} CPU ranks on {os.cpu_count()} cores: ranks will share cores"
-        )
+    if device_type == "cpu":
+        _check_cpu_ranks(num_processes, warnings)
+    _check_working_directory()
     from nblaunch.doctor import launch_warnings
 
     warnings += launch_warnings(device_type, num_processes)  # old kernel, mixed GPUs
@@ -376,6 +379,43 @@ def plan_launch(
         warnings=warnings,
         notes=notes,
     )
+
+
+def _check_cpu_ranks(num_processes: int, warnings: list[str]) -> None:
+    """Refuse far more CPU ranks than cores (each one is a process with torch loaded: ~300 MB);
+    ``NBLAUNCH_MAX_PROCESSES`` raises the limit. Warn when ranks will share cores."""
+    cores = os.cpu_count() or 1
+    limit = CPU_RANKS_PER_CORE * cores
+    raw = os.environ.get("NBLAUNCH_MAX_PROCESSES", "")
+    if raw.strip():
+        try:
+            limit = int(raw)
+        except ValueError:
+            raise LaunchError(
+                f"NBLAUNCH_MAX_PROCESSES={raw!r} is not a whole number of ranks"
+            ) from None
+    if num_processes > limit:
+        raise LaunchError(
+            f"num_processes={num_processes}: {num_processes} CPU ranks on {cores} cores is more "
+            f"than the limit of {limit} ({CPU_RANKS_PER_CORE} per core; each rank is a process "
+            "with torch loaded, about 300 MB). Use fewer ranks, or set "
+            f"NBLAUNCH_MAX_PROCESSES={num_processes} to go past the limit."
+        )
+    if num_processes > cores:
+        warnings.append(f"{num_processes} CPU ranks on {cores} cores: ranks will share cores")
+
+
+def _check_working_directory() -> None:
+    """Ranks start in the caller's working directory: it must still exist."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        was = os.environ.get("PWD")
+        raise LaunchError(
+            "the current working directory no longer exists"
+            + (f" (it was {was})" if was else "")
+            + "; os.chdir() to an existing directory (%cd in a notebook) and launch again."
+        ) from None
 
 
 def _cpu_library_notes(device_type: str, num_processes: int, warnings: list[str]) -> list[str]:
@@ -470,12 +510,32 @@ def _choose_port(master_addr: str, master_port: int | None) -> int:
         return probe.getsockname()[1]
 
 
-def _new_run_dir(run_dir: str | os.PathLike[str] | None) -> Path | None:
+def _new_run_dir(run_dir: str | os.PathLike[str] | None) -> Path:
+    """Make the run's directory (rank logs) now, so a bad one fails before any rank starts.
+
+    Raises
+    ------
+    LaunchError
+        The directory cannot be made or written, naming it and how to choose another.
+    """
     if run_dir is not None:
-        return Path(run_dir)
-    base = Path(os.environ.get("NBLAUNCH_RUN_DIR", ".nblaunch/runs"))
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return base / f"{stamp}-{secrets.token_hex(3)}"
+        path, chosen_by = Path(run_dir), "run_dir="
+    else:
+        base = Path(os.environ.get("NBLAUNCH_RUN_DIR", ".nblaunch/runs"))
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = base / f"{stamp}-{secrets.token_hex(3)}"
+        chosen_by = "NBLAUNCH_RUN_DIR" if "NBLAUNCH_RUN_DIR" in os.environ else "the default"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        problem = None if os.access(path, os.W_OK) else "it is not writable"
+    except OSError as exc:
+        problem = f"{type(exc).__name__}: {exc.strerror or exc}"
+    if problem:
+        raise LaunchError(
+            f"cannot use {path} (from {chosen_by}) for the run's logs: {problem}. Pass "
+            "run_dir= a directory you can write to (or set NBLAUNCH_RUN_DIR)."
+        )
+    return path
 
 
 # --- the payload ---------------------------------------------------------------------------------
@@ -578,6 +638,7 @@ class _Outcome:
     """What the run collected; the launcher turns it into a return value or an exception."""
 
     results: dict[int, bytes] = field(default_factory=dict)
+    exited: set[int] = field(default_factory=set)  # ranks whose task ended with sys.exit(0)
     failures: list[dict[str, Any]] = field(default_factory=list)  # Failure events and deaths
     finished: set[int] = field(default_factory=set)
     root: dict[str, Any] | None = None
@@ -757,6 +818,8 @@ class Run:
             self.set_state(rank, RunState.RUNNING)
         elif kind == "result":
             self.outcome.results[rank] = event["value_bytes"]
+            if event.get("called_exit"):
+                self.outcome.exited.add(rank)
         elif kind == "failure":
             event = dict(event)
             event["secondary"] = errors.is_secondary_failure(event["exc_type"], event["message"])
@@ -881,7 +944,13 @@ class Run:
                         RunState.STALLED,
                     ):
                         self.set_state(rank, RunState.STOPPED, reason)
-            supervisor.stop(grace=STOP_GRACE_S)
+            root_kind = (self.outcome.root or {}).get("kind")
+            if root_kind in ("failure", "death", "hang"):
+                # The cause is known and the others are most likely blocked in a collective
+                # they cannot finish: they get half a second, and being killed is no news.
+                supervisor.stop(grace=KNOWN_CAUSE_GRACE_S, quiet=True)
+            else:
+                supervisor.stop(grace=STOP_GRACE_S)
         except KeyboardInterrupt:
             supervisor.stop(grace=0.0)
             raise
@@ -975,6 +1044,8 @@ class Run:
         )
         if "exception" in root:  # a monitor's diagnosis (e.g. a hang) brings its own exception
             exc = root["exception"]
+            if root["kind"] == "hang" and rank in self.outcome.exited:
+                exc = _exit_while_others_wait(exc, rank, n)
             self.publish(
                 {
                     "kind": "diagnosis",
@@ -1001,6 +1072,8 @@ class Run:
             )
         else:
             exc = _recreate_exception(root, n)
+        if isinstance(exc, SystemExit):  # never ends the caller's script or kernel
+            exc = _exit_failure(exc, rank, n)
         note = f"raised on rank {rank} of {n}"
         alike = self._same_failure_everywhere(root)
         if alike:
@@ -1044,7 +1117,7 @@ class Run:
         if self.plan.debug:
             return ""
         if root["kind"] != "hang" and not _failed_in_collective(
-            f"{root.get('traceback', '')}\n{root.get('message', '')}\n{exc}"
+            f"{root.get('traceback', '')}\n{root.get('message', '')}\n{safe_str(exc)}"
         ):
             return ""
         return (
@@ -1098,6 +1171,35 @@ def _describe_failure(failure: dict[str, Any]) -> str:
             text += " (a consequence of a peer's failure)"
         return text
     return f"rank {failure['rank']} {failure['message']}"
+
+
+def _exit_failure(exit_: SystemExit, rank: int, world_size: int) -> RankFailedError:
+    """``sys.exit(code)`` with a failing code on a rank, as the caller's error."""
+    # The code as the rank passed it (an unpickled SystemExit keeps only its args).
+    code = exit_.args[0] if len(exit_.args) == 1 else (exit_.args or None)
+    return RankFailedError(
+        f"rank {rank} of {world_size} called sys.exit({code!r})",
+        rank=rank,
+        world_size=world_size,
+        exitcode=code if isinstance(code, int) else 1,  # Python exits 1 for a message
+    )
+
+
+def _exit_while_others_wait(hang: BaseException, rank: int, world_size: int) -> RankFailedError:
+    """A rank that ended with ``sys.exit(0)`` while its peers wait for it: the hang report,
+    told as that rank's failure."""
+    message = (
+        str(hang)
+        .replace(
+            f"rank {rank} of {world_size} returned while",
+            f"rank {rank} of {world_size} called sys.exit(0) while",
+            1,
+        )
+        .replace(f"rank {rank} returned after", f"rank {rank} exited after", 1)
+    )
+    error = RankFailedError(message, rank=rank, world_size=world_size, exitcode=0)
+    error.__cause__ = hang
+    return error
 
 
 def _is_verdict(failure: dict[str, Any]) -> bool:

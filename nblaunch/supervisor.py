@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import sys
 import time
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nblaunch import semaphores
+from nblaunch import containment, semaphores
 from nblaunch.errors import LaunchError
 from nblaunch.worker import RANK_FEATURES
 
@@ -71,6 +72,8 @@ class Supervisor:
     ranks: list[RankProcess] = field(default_factory=list)
     # Where ranks note their semaphores, so those a killed rank left can be released.
     semaphore_dir: str | None = None
+    # The value of containment.TREE_ENV in every rank and whatever it starts.
+    tree_marker: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def start(
         self,
@@ -118,6 +121,7 @@ class Supervisor:
                             stderr_w,
                             os.getpid(),
                             self.semaphore_dir,
+                            self.tree_marker,
                         ),
                         name=f"nblaunch-rank-{rank}",
                         daemon=False,
@@ -162,14 +166,20 @@ class Supervisor:
         for rank in self.alive():
             _signal_pid(rank.pid, signal.SIGINT)
 
-    def stop(self, grace: float = 2.0, *, first_signal: int = signal.SIGTERM) -> list[int]:
-        """Stop every live rank: ``first_signal``, up to ``grace`` seconds, then SIGKILL.
+    def stop(
+        self, grace: float = 2.0, *, first_signal: int = signal.SIGTERM, quiet: bool = False
+    ) -> list[int]:
+        """Stop every live rank and what it started: ``first_signal``, up to ``grace`` seconds,
+        then SIGKILL, with a warning naming a rank that had to be killed unless ``quiet`` (a
+        rank blocked in a collective after a peer failed cannot react: no news).
 
         Returns the ranks that had to be killed. The pipes stay open, so what the ranks wrote
         last can still be read; :meth:`close` closes them.
         """
         killed: list[int] = []
         live = self.alive()
+        # Taken before the signal: a rank that dies at once can no longer end its children.
+        trees = [process for rank in live for process in containment.descendants(rank.pid)]
         for rank in live:
             _signal_pid(rank.pid, first_signal)
         deadline = time.monotonic() + grace
@@ -177,21 +187,29 @@ class Supervisor:
             rank.process.join(max(0.0, deadline - time.monotonic()))
         stubborn = [r for r in live if r.process.is_alive()]
         for rank in stubborn:
-            warnings.warn(
-                f"rank {rank.rank} (pid {rank.pid}) ignored "
-                f"{signal.Signals(first_signal).name} for {grace:g} s; killing it",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            if not quiet:
+                warnings.warn(
+                    f"rank {rank.rank} (pid {rank.pid}) ignored "
+                    f"{signal.Signals(first_signal).name} for {grace:g} s; killing it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             _signal_pid(rank.pid, signal.SIGKILL)
             killed.append(rank.rank)
         for rank in stubborn:
             rank.process.join(5.0)
         self.reap()
+        containment.end(trees, grace=0.5)
         return killed
 
     def close(self) -> None:
-        """Close the parent's ends of every pipe and release the process objects."""
+        """Close the parent's ends of every pipe and release the process objects.
+
+        A rank that died on its own with a signal (a crash, the out-of-memory killer) could not
+        end what it started: those processes are found by the run's marker and ended.
+        """
+        if any(rank.exitcode is not None and rank.exitcode < 0 for rank in self.ranks):
+            containment.end(containment.marked(self.tree_marker), grace=0.5)
         for rank in self.ranks:
             for end in (rank.conn, rank.stdout_r, rank.stderr_r):
                 with contextlib.suppress(OSError):

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from nblaunch import containment
 from nblaunch.events import Event, Failure
 
 # Message kinds the parent sends down the task pipe.
@@ -55,6 +56,7 @@ class RankContext:
 _context: RankContext | None = None
 _in_task = False  # user code of a task is running: SIGINT raises KeyboardInterrupt
 _channel: _Channel | None = None
+_tree_marker: str | None = None  # see containment.TREE_ENV
 # Modules imported in every rank at setup; each registers its task hooks (see add_task_hook).
 RANK_FEATURES = ("nblaunch.logging", "nblaunch.ops", "nblaunch.memory", "nblaunch.watchdog")
 # Hooks other modules register to run around each task (debug patches, heartbeats, logging).
@@ -104,6 +106,7 @@ def main(
     stderr_w: Connection,
     launcher_pid: int,
     semaphore_dir: str | None = None,
+    tree_marker: str | None = None,
 ) -> None:
     """Entry point of a rank process (the trampoline every start method calls).
 
@@ -121,12 +124,18 @@ def main(
     semaphore_dir
         Where this rank notes its multiprocessing semaphores, so that the supervisor can
         release those it leaves when it is killed (:mod:`nblaunch.semaphores`).
+    tree_marker
+        The run's value of ``containment.TREE_ENV``, inherited by whatever the rank starts.
     """
-    global _channel
+    global _channel, _tree_marker
+    _tree_marker = tree_marker
     # Own process group: a terminal's Ctrl-C reaches only the launcher, which then stops every
     # rank in order, instead of each rank raising KeyboardInterrupt at a random point.
     with contextlib.suppress(OSError):
         os.setpgrp()
+    # Whatever the rank starts stays in its tree, even a daemon's double fork, so that it can
+    # be ended with the rank (nblaunch.containment).
+    containment.become_subreaper()
     # The launcher sends SIGINT to interrupt a task: make it a KeyboardInterrupt here.
     signal.signal(signal.SIGINT, _on_sigint)
     _redirect_output(stdout_w, stderr_w)
@@ -149,6 +158,8 @@ def main(
         pass  # the parent went away; nothing left to report to
     finally:
         _tear_down()
+        # Before multiprocessing's exit handler, which would wait for non-daemon children.
+        containment.end_descendants()
         _flush_output()
 
 
@@ -192,12 +203,16 @@ def _watch_launcher(launcher_pid: int) -> None:
         try:
             pidfd = os.pidfd_open(launcher_pid)
         except ProcessLookupError:
-            os._exit(1)
+            _leave()
         except (AttributeError, OSError):
             while _pid_alive(launcher_pid):  # no pidfd (old kernel): poll
                 time.sleep(0.5)
-            os._exit(1)
+            _leave()
         select.select([pidfd], [], [])
+        _leave()
+
+    def _leave() -> None:
+        containment.end_descendants(grace=0.5)
         os._exit(1)
 
     threading.Thread(target=watch, name="nblaunch-launcher-watch", daemon=True).start()
@@ -222,6 +237,8 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
     # The forkserver started earlier: bring this rank up to the caller's present state.
     os.environ.clear()
     os.environ.update(setup["env"])
+    if _tree_marker:
+        os.environ[containment.TREE_ENV] = _tree_marker
     sys.path[:] = setup["sys_path"]
     with contextlib.suppress(OSError):
         os.chdir(setup["cwd"])
@@ -356,8 +373,14 @@ def _run_task(message: dict[str, Any]) -> None:
                 default_group.ensure_ready()
             function, args, kwargs = cloudpickle.loads(message["payload"])
             _in_task = True
+            exited = False
             try:
                 value = function(*args, **kwargs)
+            except SystemExit as exit_:
+                if exit_.code not in (None, 0):
+                    raise  # a failure, reported below
+                # `sys.exit(main())` at the end of a script: a normal end if every rank does it
+                value, exited = None, True
             finally:
                 _in_task = False
         try:
@@ -367,7 +390,12 @@ def _run_task(message: dict[str, Any]) -> None:
                 f"the function returned a {type(value).__name__} that cannot be pickled back "
                 f"to the notebook ({exc}); return plain data, tensors or a state_dict instead"
             ) from None
-        outcome: Event = {"kind": "result", "rank": rank, "value_bytes": value_bytes}
+        outcome: Event = {
+            "kind": "result",
+            "rank": rank,
+            "value_bytes": value_bytes,
+            "called_exit": exited,
+        }
     except BaseException as exc:  # KeyboardInterrupt and SystemExit are reported too
         outcome = failure_event(rank, exc)
     _flush_output()  # what the task printed, even a last line without "\n", comes first
@@ -382,11 +410,19 @@ def failure_event(rank: int, exc: BaseException) -> Failure:
         "kind": "failure",
         "rank": rank,
         "exc_type": f"{exc_type.__module__}.{exc_type.__qualname__}",
-        "message": str(exc),
+        "message": safe_str(exc),
         "traceback": "".join(traceback.format_exception(exc_type, exc, exc.__traceback__)),
         "exception_bytes": _pickle_exception(exc),
         "where": _innermost_user_frame(exc),
     }
+
+
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)``, or a stand-in naming the type when the exception's ``__str__`` fails."""
+    try:
+        return str(exc)
+    except Exception as error:
+        return f"<{type(exc).__name__}: str() raised {type(error).__name__}: {error!r}>"
 
 
 def _pickle_exception(exc: BaseException) -> bytes | None:

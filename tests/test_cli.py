@@ -82,6 +82,8 @@ SCRIPT = """
             raise ValueError("boom on rank 1")
         if "--exit" in sys.argv:
             sys.exit(0)
+        if "--exit-3" in sys.argv and rank() == 1:
+            sys.exit(3)
 
     if __name__ == "__main__":
         main()
@@ -111,6 +113,12 @@ def test_run_script_failure_shows_the_rank_error(tmp_path, script):
     assert done.returncode == 1
     assert "ValueError: boom on rank 1" in done.stderr
     assert "raised on rank 1 of 2" in done.stderr
+
+
+def test_run_script_whose_rank_exits_with_a_code_exits_with_it(tmp_path, script):
+    done = run_command("run", str(script), "-n", "2", "--exit-3", cwd=tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert "RankFailedError: rank 1 of 2 called sys.exit(3)" in done.stderr
 
 
 def test_run_missing_script_and_no_command(tmp_path, capsys):

@@ -445,21 +445,21 @@ def test_an_exception_that_cannot_be_recreated_becomes_rank_failed_error():
     assert "Unpicklable" in info.value.remote_traceback
 
 
-def test_a_rank_that_ignores_sigterm_is_killed_with_a_warning():
+def test_a_rank_that_ignores_sigterm_at_a_timeout_is_killed_with_a_warning():
+    """At a timeout the ranks were not known to be blocked: one that ignores SIGTERM is named.
+    (After a failure they are, and are killed quietly: see tests/test_containment.py.)"""
+
     def stubborn():
         import signal as sig
         import time as t
 
         if nblaunch.rank() == 0:
             sig.signal(sig.SIGTERM, sig.SIG_IGN)
-        nblaunch.wait_for_everyone()  # rank 1 fails only once rank 0 ignores SIGTERM
-        if nblaunch.rank() == 0:
-            t.sleep(60)
-        raise RuntimeError("rank 1 fails")
+        t.sleep(60)
 
     with pytest.warns(RuntimeWarning, match="rank 0 .* ignored SIGTERM"):
-        with pytest.raises(RuntimeError, match="rank 1 fails"):
-            launch(stubborn)
+        with pytest.raises(LaunchTimeoutError):
+            launch(stubborn, timeout=3)
     assert wait_until(lambda: not rank_children(), timeout=5)
 
 

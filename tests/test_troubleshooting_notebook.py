@@ -98,9 +98,9 @@ def test_debug_mode_reports_the_shapes_and_the_cell_lines(executed):
 
     cell = _cell(executed, "notebook_launcher(diverging_collectives")
     error = next(o for o in cell.outputs if o.output_type == "error")
-    assert "rank 0 called broadcast at cell line 7, rank 1 called all_reduce at cell line 9" in (
-        error.evalue
-    )
+    assert (
+        "rank 0 called broadcast at cell line 7 while rank 1 called all_reduce at cell line 9"
+    ) in error.evalue
 
 
 @pytest.mark.slow
