@@ -30,6 +30,7 @@ from nblaunch.ops import (
     set_trigger,
 )
 from nblaunch.pool import Pool, start_pool
+from nblaunch.supervisor import warm_up_if_interactive
 from nblaunch.worker import device, is_main_process, local_rank, rank, wait_for_everyone, world_size
 
 __version__ = "0.1.0"
@@ -75,9 +76,14 @@ def load_ipython_extension(ipython):
     from nblaunch.magics import register
 
     register(ipython)
+    warm_up_if_interactive()
 
 
 def unload_ipython_extension(ipython):
     from nblaunch.magics import unregister
 
     unregister(ipython)
+
+
+# In a notebook, the first launch should not wait for the ranks' forkserver to import torch.
+warm_up_if_interactive()

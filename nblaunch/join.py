@@ -38,8 +38,8 @@ from nblaunch.multinode import (
     plan_for_joined_node,
     rendezvous_handler,
     unshared_rendezvous_store,
-    warm_up,
 )
+from nblaunch.supervisor import warm_up
 
 # How long a joining node waits for the run's settings to appear in the store.
 CONFIG_WAIT_S = 10.0

@@ -52,7 +52,7 @@ from nblaunch.errors import LaunchError, RankFailedError, RendezvousTimeoutError
 from nblaunch.events import Event, EventSink, RunState
 from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S, LaunchPlan, Run
 from nblaunch.relay import Relay, log_line
-from nblaunch.supervisor import Supervisor
+from nblaunch.supervisor import Supervisor, warm_up
 from nblaunch.worker import TASK
 
 DEFAULT_PORT = 29400
@@ -204,23 +204,6 @@ def unshared_rendezvous_store() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = before
-
-
-def warm_up(start_method: str) -> None:
-    """Start the forkserver now, so it imports torch while the nodes gather, not after.
-
-    A no-op for other start methods, and when this process's forkserver already runs.
-    """
-    if start_method != "forkserver":
-        return
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    from nblaunch.supervisor import FORKSERVER_PRELOAD, _main_module_hidden
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-    with _main_module_hidden(), contextlib.suppress(Exception):
-        forkserver.ensure_running()
 
 
 def node_rank_of(rdzv_rank: int, head_rdzv_rank: int) -> int:

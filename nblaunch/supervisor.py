@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 import types
 import warnings
@@ -43,6 +44,43 @@ FORKSERVER_PRELOAD = [
     "nblaunch.worker",
     *RANK_FEATURES,
 ]
+
+
+def warm_up(start_method: str = "forkserver") -> None:
+    """Start the forkserver now, so that it imports torch before the first launch needs it.
+
+    Returns at once: multiprocessing starts the server process and listens for it, and the
+    server imports ``FORKSERVER_PRELOAD`` on its own; the first rank waits only for what is
+    left of that. A no-op for other start methods and when the forkserver already runs.
+    """
+    if start_method != "forkserver":
+        return
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    # __main__ is not preloaded, so the caller's main module plays no part here (no need to
+    # hide it, as Supervisor.start must when it prepares rank processes).
+    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+    with contextlib.suppress(Exception):
+        forkserver.ensure_running()
+
+
+def warm_up_if_interactive() -> None:
+    """In a notebook or IPython session, start the forkserver in the background (see
+    :func:`warm_up`), so the first launch does not wait for torch to be imported.
+
+    Not inside a rank, not under torchrun (code that imports nblaunch there never launches),
+    not in a plain script (which launches at once anyway), and never when
+    ``NBLAUNCH_PRESTART=0``. It touches no accelerator: the forkserver is a fresh process.
+    """
+    if os.environ.get("NBLAUNCH_PRESTART", "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    if "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    ipython = sys.modules.get("IPython")
+    if ipython is None or ipython.get_ipython() is None:
+        return
+    threading.Thread(target=warm_up, name="nblaunch-warm-up", daemon=True).start()
 
 
 @dataclass

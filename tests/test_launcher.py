@@ -830,3 +830,36 @@ def test_a_notebook_saved_without_widget_state_keeps_each_ranks_last_lines(tmp_p
     assert "nblaunch: failed in " in text
     assert "error: rank 1 of 2 failed: rank 1 raised ValueError: boom on rank 1" in text
     assert "rank 0 about to fail" in text and "rank 1 about to fail" in text
+
+
+def test_in_a_kernel_importing_nblaunch_starts_the_forkserver_in_the_background(kernel):
+    cell = kernel.run(
+        "import time\n"
+        "from multiprocessing import forkserver\n"
+        "began = time.perf_counter()\n"
+        "import nblaunch\n"
+        "server = forkserver._forkserver\n"
+        "while server._forkserver_pid is None and time.perf_counter() - began < 10:\n"
+        "    time.sleep(0.01)\n"
+        "print(server._forkserver_pid is not None)"
+    )
+    assert cell["out"].strip() == "True", cell  # before any launch
+    first = kernel.run("nblaunch.notebook_launcher(lambda: 1, (), 2, display='none')")
+    assert first["result"] == "[1, 1]", first
+
+
+def test_a_plain_script_that_imports_nblaunch_starts_no_process():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time, nblaunch\n"
+            "from multiprocessing import forkserver\n"
+            "time.sleep(0.5)\n"
+            "print(forkserver._forkserver._forkserver_pid)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "None", done
