@@ -46,10 +46,47 @@ def become_subreaper() -> bool:
 
 def descendants(pid: int | None = None) -> list[psutil.Process]:
     """The live descendants of ``pid`` (default: this process)."""
-    try:
-        return [p for p in psutil.Process(pid).children(recursive=True) if _running(p)]
-    except psutil.Error:
-        return []
+    pids = _descendant_pids(os.getpid() if pid is None else pid)
+    if pids is None:  # no /proc/PID/task/TID/children here: ask psutil (reads every process)
+        try:
+            return [p for p in psutil.Process(pid).children(recursive=True) if _running(p)]
+        except psutil.Error:
+            return []
+    found = []
+    for child in pids:
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(child)
+            if _running(process):
+                found.append(process)
+    return found
+
+
+def _descendant_pids(pid: int) -> list[int] | None:
+    """Descendants from Linux's per-thread ``children`` files: a few reads however many
+    processes the machine runs (psutil scans all of /proc). None where the files are missing."""
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            if parent == pid:
+                return None
+            continue  # it just exited
+        for thread in threads:
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children") as file:
+                    children = [int(child) for child in file.read().split()]
+            except FileNotFoundError:
+                if parent == pid:
+                    return None  # a kernel without CONFIG_PROC_CHILDREN
+                continue
+            except OSError:
+                continue
+            found += children
+            stack += children
+    return found
 
 
 def marked(marker: str, exclude: frozenset[int] = frozenset()) -> list[psutil.Process]:

@@ -69,14 +69,16 @@ def ensure_ready() -> None:
 
 
 def tear_down() -> None:
-    """Destroy the default group if one is left (the user may have destroyed it already)."""
-    global _shared
+    """Destroy the default group if one is left (the user may have destroyed it already).
+
+    The rank is about to exit: its rendezvous store is left to the exit, because freeing it
+    here waits ~20 ms for the store's server thread, and every launch waited for that.
+    """
     with contextlib.suppress(Exception):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    _shared = None
 
 
 def init_process_group(

@@ -275,9 +275,11 @@ def notebook_launcher(
         run_dir=run_dir,
     )
     payload = serialize_payload(function, args, kwargs)
-    from nblaunch.widgets import make_view
+    from nblaunch.widgets import DeferredView, LaunchView, make_view
 
     view = make_view(display)
+    if isinstance(view, LaunchView):
+        view = DeferredView(view)  # a launch over in a moment gets its summary alone
     if plan.device_type == "xla":
         return _launch_xla(plan, payload)
     return Run(plan, view).execute(payload)

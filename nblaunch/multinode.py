@@ -758,7 +758,10 @@ class NodesRelay(Relay):
                 if kind == "stream":
                     self.last_output[rank] = time.time()
                     if not event["carriage"]:
-                        self.tails.setdefault(rank, _new_tail()).append(event["text"])
+                        tail = self.tails.get(rank)
+                        if tail is None:  # not made per line: this loop carries every line
+                            tail = self.tails[rank] = _new_tail()
+                        tail.append(event["text"])
                     self._remote_log(rank, event["text"] + "\n")
                     self.sink.handle(event)
                     continue

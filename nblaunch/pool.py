@@ -16,8 +16,9 @@ tasks:
   person is told that the ranks' state is gone;
 - a rank that dies fails its cell with the real cause and leaves the pool *broken*: the next
   cell says so at once (``%dist restart``) instead of hanging on the dead rank;
-- the live view is built only for a task that runs past ``LIVE_VIEW_AFTER_S`` or has something
-  to show: the widget costs more than a quick cell on the pool.
+- the live view is built only for a task that runs past ``widgets.LIVE_VIEW_AFTER_S``; a
+  quicker one shows its static summary, or nothing when it was silent and successful
+  (``widgets.DeferredView``): the widget costs more than a quick cell on the pool.
 
 Inside a rank, :func:`rank_namespace` is the dictionary cells run in; it lives as long as the
 rank process.
@@ -35,7 +36,7 @@ import warnings
 from typing import Any
 
 from nblaunch.errors import LaunchError
-from nblaunch.events import Event, RunState
+from nblaunch.events import RunState
 from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S
 
 # How long the ranks of an interrupted or failed task get to come back before the pool restarts.
@@ -43,7 +44,6 @@ INTERRUPT_WAIT_S = 3.0
 # A task whose results all arrived: how long to wait for each rank's closing "finished" event.
 FINISH_WAIT_S = 2.0
 # A quick, silent, successful task shows no view; a longer one gets the live view after this.
-LIVE_VIEW_AFTER_S = 0.2
 # How long starting the ranks (imports, device, process group) may take.
 START_TIMEOUT_S = 120.0
 
@@ -400,14 +400,14 @@ class Pool:
             The task was interrupted; the ranks are ready for the next one.
         """
         from nblaunch.launcher import _Outcome, make_monitors
-        from nblaunch.widgets import NullView, make_view
+        from nblaunch.widgets import DeferredView, NullView, make_view
 
         self._check_usable()
         task_ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
         if not task_ranks or any(not 0 <= r < self.world_size for r in task_ranks):
             raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{self.world_size - 1}")
         mode = display or self.display
-        view = _DeferredView(mode, make_view) if mode != "none" else NullView()
+        view = DeferredView(make_view(mode)) if mode != "none" else NullView()
         run = self._run
         # What ranks wrote between tasks (a background thread) belongs to no cell: it goes to
         # the rank log files only, so no output shows up under the wrong cell.
@@ -735,53 +735,6 @@ class Pool:
                     run.relay.close()
             with contextlib.suppress(Exception):
                 run.supervisor.close()
-
-
-class _DeferredView:
-    """The task's view, built once the task has run ``LIVE_VIEW_AFTER_S`` or has something to show.
-
-    Building the live widget costs tens of milliseconds of comm messages, more than a quick
-    cell on the pool itself; a cell that finishes at once, silent and successful, shows nothing,
-    like a plain cell. Anything else (output, logs, progress, a diagnosis, a failure, a cell
-    still running after ``LIVE_VIEW_AFTER_S``) gets the full view, with every event so far.
-    """
-
-    def __init__(self, display: str, make_view: Any) -> None:
-        self._display = display
-        self._make_view = make_view
-        self._began = time.monotonic()
-        self._pending: list[Event] = []
-        self._worth_showing = False
-        self.view: Any = None
-
-    def handle(self, event: Event) -> None:
-        if self.view is not None:
-            self.view.handle(event)
-            return
-        self._pending.append(event)
-        kind = event["kind"]
-        if kind in ("stream", "log", "progress", "diagnosis") or (
-            kind == "run_ended" and not event["ok"]
-        ):
-            self._worth_showing = True
-
-    def flush(self) -> None:
-        if self.view is None and time.monotonic() - self._began >= LIVE_VIEW_AFTER_S:
-            self._build()
-        if self.view is not None:
-            self.view.flush()
-
-    def close(self) -> None:
-        if self.view is None and self._worth_showing:
-            self._build()
-        if self.view is not None:
-            self.view.close()
-
-    def _build(self) -> None:
-        self.view = self._make_view(self._display)
-        for event in self._pending:
-            self.view.handle(event)
-        self._pending.clear()
 
 
 class _TaskGuard:

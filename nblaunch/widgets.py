@@ -231,6 +231,32 @@ CSS = """<style>
 </style>"""
 
 
+_shared: dict[str, Any] = {}
+
+
+def _shared_models() -> dict[str, Any]:
+    """Layouts and styles shared by every view's widgets, made once per kernel.
+
+    Each ipywidget otherwise makes a Layout and a Style model of its own: two more comms to open
+    per widget, which made up most of a view's ~15 ms build. Shared models are never changed
+    (a widget that should look different gets another one), since other views show them too.
+    """
+    if not _shared:
+        import ipywidgets as widgets
+        from ipywidgets.widgets.widget_string import HTMLStyle
+
+        _shared.update(
+            plain=widgets.Layout(),
+            hidden=widgets.Layout(display="none"),
+            grow=widgets.Layout(flex="1 1 auto"),
+            button=widgets.Layout(width="auto", flex="0 0 auto"),
+            row=widgets.Layout(align_items="flex-start"),
+            html_style=HTMLStyle(),
+            button_style=widgets.ButtonStyle(),
+        )
+    return _shared
+
+
 # A visible line is a small list, [rank, fd, text]: cheaper to make than an object, and mutable,
 # so a "\r" progress line is redrawn in place in every buffer that holds it.
 _RANK, _FD, _TEXT = 0, 1, 2
@@ -309,6 +335,9 @@ class LaunchView:
         self._running = False
         self._stop_lock = threading.Lock()
         self.stop_requested = False
+        # False: build no widgets, show only the static summary at the end (a pool cell that
+        # was over before its live view would have appeared; see pool._DeferredView).
+        self.live = True
 
     # --- EventSink -------------------------------------------------------------------------------
 
@@ -380,14 +409,15 @@ class LaunchView:
         """The run is over: final render, retire the Stop button, show the static summary."""
         with self._stop_lock:
             self._running = False
-        if not self._widgets:
-            return
-        self._dirty.update(("head", "ranks", "panel", "progress", "logs"))
-        self._dirty.update(self._per_rank)
-        self.flush(force=True)
-        stop = self._widgets["stop"]
-        stop.disabled = True
-        stop.layout.display = "none"
+        if self._widgets:
+            self._dirty.update(("head", "ranks", "panel", "progress", "logs"))
+            self._dirty.update(self._per_rank)
+            self.flush(force=True)
+            stop = self._widgets["stop"]
+            stop.disabled = True
+            stop.layout = _shared_models()["hidden"]
+        elif self.live:
+            return  # no run to show
         if self.ended is not None and not self.summary_shown:
             self.summary_shown = True
             self._summary_id = f"nblaunch-summary-{id(self):x}-{time.time_ns():x}"
@@ -520,38 +550,38 @@ class LaunchView:
         """Create the widgets once the run's size is known, and show them in this cell."""
         import ipywidgets as widgets
 
-        if self._widgets:
+        if self._widgets or not self.live:
             return
         assert self.info is not None
         world = self.info["world_size"]
-        head = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
+        shared = _shared_models()
+
+        def html(value: str = "", layout: str = "plain") -> Any:
+            return widgets.HTML(value, layout=shared[layout], style=shared["html_style"])
+
+        head = html(layout="grow")
         stop = widgets.Button(
             description="Stop",
             icon="stop",
             tooltip="Interrupt every rank, like the notebook's interrupt button",
-            layout=widgets.Layout(width="auto", flex="0 0 auto"),
+            layout=shared["button"],
+            style=shared["button_style"],
         )
         stop.on_click(lambda _button: self.request_stop())
         self.stop_hooked = self._hook_stop(stop)
         if not self.stop_hooked:
             stop.tooltip = "Takes effect only between cells here: use the notebook's interrupt"
-        ranks = widgets.HTML()
-        panel = widgets.HTML(layout=widgets.Layout(display="none"))
-        progress = widgets.HTML(layout=widgets.Layout(display="none"))
-        self._logs = [widgets.HTML() for _ in range(world + 1)]
+        ranks = html()
+        panel = html(layout="hidden")
+        progress = html(layout="hidden")
+        self._logs = [html() for _ in range(world + 1)]
         tabs = widgets.Tab(
-            children=self._logs, titles=["All ranks", *(f"rank {r}" for r in range(world))]
+            children=self._logs,
+            titles=["All ranks", *(f"rank {r}" for r in range(world))],
+            layout=shared["plain"],
         )
-        root = widgets.VBox(
-            [
-                widgets.HTML(CSS),
-                widgets.HBox([head, stop], layout=widgets.Layout(align_items="flex-start")),
-                ranks,
-                panel,
-                progress,
-                tabs,
-            ]
-        )
+        top = widgets.HBox([head, stop], layout=shared["row"])
+        root = widgets.VBox([html(CSS), top, ranks, panel, progress, tabs], layout=shared["plain"])
         root.add_class("nbl-root")
         self._widgets = {
             "root": root,
@@ -603,9 +633,10 @@ class LaunchView:
 
     def _show(self, widget: Any, value: str) -> int:
         sent = self._set(widget, value)
-        display = "" if value else "none"
-        if widget.layout.display != display:
-            widget.layout.display = display
+        # Swap the shared layout rather than change it: other widgets and views use it too.
+        layout = _shared_models()["plain" if value else "hidden"]
+        if widget.layout is not layout:
+            widget.layout = layout
             sent += 1
         return sent
 
@@ -1027,6 +1058,59 @@ def widgets_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("ipywidgets") is not None
+
+
+# A run still going after this long gets its live view; one over before shows only its summary.
+LIVE_VIEW_AFTER_S = 0.2
+
+
+class DeferredView:
+    """Holds a view back until its run has gone on for ``LIVE_VIEW_AFTER_S``.
+
+    Building the live widget costs milliseconds of comm messages, as much as a quick pool cell
+    or launch itself. A run still going after ``LIVE_VIEW_AFTER_S`` gets the live view, with
+    every event so far. One that was over before shows nothing when it was silent and
+    successful, like a plain cell, and otherwise (output, logs, progress, a diagnosis, a
+    failure) only the static summary: the same lines and outcome, without widgets.
+    """
+
+    def __init__(self, view: Any) -> None:
+        self.view = view
+        self._began = time.monotonic()
+        self._pending: list[Event] = []
+        self._worth_showing = False
+        self._shown = False
+
+    def handle(self, event: Event) -> None:
+        if self._shown:
+            self.view.handle(event)
+            return
+        self._pending.append(event)
+        kind = event["kind"]
+        if kind in ("stream", "log", "progress", "diagnosis") or (
+            kind == "run_ended" and not event["ok"]
+        ):
+            self._worth_showing = True
+
+    def flush(self) -> None:
+        if not self._shown and time.monotonic() - self._began >= LIVE_VIEW_AFTER_S:
+            self._show(live=True)
+        if self._shown:
+            self.view.flush()
+
+    def close(self) -> None:
+        if not self._shown and self._worth_showing:
+            self._show(live=False)
+        if self._shown:
+            self.view.close()
+
+    def _show(self, live: bool) -> None:
+        self._shown = True
+        if isinstance(self.view, LaunchView):
+            self.view.live = live
+        for event in self._pending:
+            self.view.handle(event)
+        self._pending.clear()
 
 
 def make_view(display: str):

@@ -813,8 +813,7 @@ def test_a_notebook_saved_without_widget_state_keeps_each_ranks_last_lines(tmp_p
             and mime in out.data
         )
 
-    trained, failed = saved.cells
-    assert [o for o in trained.outputs if WIDGET_VIEW in o.get("data", {})]  # the live view
+    trained, failed = saved.cells  # (a live view too, when the run lasted past 0.2 s)
     text, page = shown(trained, "text/plain"), shown(trained, "text/html")
     assert "nblaunch: finished in " in text
     assert "rank 0: DONE · returned 0" in text and "rank 1: DONE · returned 10" in text

@@ -17,20 +17,22 @@ import pytest
 from conftest import kernel_pool_pids, rank_children, wait_until
 
 import nblaunch
-from nblaunch import LaunchError, RankFailedError, notebook_launcher
+from nblaunch import LaunchError, RankFailedError, notebook_launcher, widgets
 from nblaunch import pool as pool_module
 from nblaunch.pool import Pool, PoolState, parse_ranks, rank_namespace, start_pool
 from nblaunch.widgets import RecordingView
 
 
 class Recorder(RecordingView):
-    """A view that keeps every event, one list per task, so tests can see where output went."""
+    """A view that keeps every event, one list per task that showed something, so tests can
+    see where output went (a task's view that is never shown is never given an event)."""
 
     tasks: ClassVar[list[list[dict]]] = []
 
-    def __init__(self) -> None:
-        super().__init__()
-        Recorder.tasks.append(self.events)
+    def handle(self, event) -> None:
+        if not self.events:
+            Recorder.tasks.append(self.events)
+        super().handle(event)
 
 
 def lines(events, rank=None):
@@ -188,7 +190,7 @@ def test_the_view_is_built_only_when_a_task_has_something_to_show(pool, recorded
     pool.run(print, "hello")
     assert len(recorded) == 1 and lines(recorded[0]) == ["hello", "hello"]
     assert recorded[0][0]["kind"] == "run_info"  # the late view still gets every event
-    pool.run(time.sleep, pool_module.LIVE_VIEW_AFTER_S + 0.3)  # long enough for a live view
+    pool.run(time.sleep, widgets.LIVE_VIEW_AFTER_S + 0.3)  # long enough for a live view
     assert len(recorded) == 2 and recorded[1][-1]["kind"] == "run_ended"
     with pytest.raises(ZeroDivisionError):
         pool.run(divmod, 1, 0)
