@@ -1,6 +1,7 @@
 """nblaunch: run distributed PyTorch from a Jupyter notebook, and see what every rank does."""
 
 from nblaunch.errors import (
+    AuthenticationError,
     DistributedHangError,
     DistributedOperationException,
     LaunchError,
@@ -36,6 +37,7 @@ from nblaunch.worker import device, is_main_process, local_rank, rank, wait_for_
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationError",
     "DistributedHangError",
     "DistributedOperationException",
     "LaunchError",

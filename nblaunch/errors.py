@@ -34,6 +34,11 @@ class LaunchError(NblaunchError):
     """
 
 
+class AuthenticationError(LaunchError):
+    """A multi-node run read something from its store that was not written with the run's
+    secret: another client writes to the store, or a node was given another secret."""
+
+
 class RendezvousTimeoutError(LaunchError, TimeoutError):
     """A multi-node run: not every node joined the rendezvous within ``rdzv_timeout``.
 

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import datetime
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -21,7 +20,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from nblaunch.errors import LaunchError
+from nblaunch.errors import AuthenticationError, LaunchError
 from nblaunch.multinode import (
     BEAT_INTERVAL_S,
     CONFIG_VERSION,
@@ -40,6 +39,7 @@ from nblaunch.multinode import (
     unshared_rendezvous_store,
 )
 from nblaunch.supervisor import warm_up
+from nblaunch.trust import RunSecret, secret_for_join
 
 # How long a joining node waits for the run's settings to appear in the store.
 CONFIG_WAIT_S = 10.0
@@ -82,6 +82,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="this node's address, as the rendezvous and the notebook show it (default: hostname)",
     )
     parser.add_argument(
+        "--secret-file",
+        default=None,
+        help="a file holding the run's secret (default: NBLAUNCH_RUN_SECRET, as the printed "
+        "command sets it, or the notebook's own ~/.nblaunch/secrets/RUN on a shared home)",
+    )
+    parser.add_argument(
         "--connect-timeout",
         type=float,
         default=60.0,
@@ -97,6 +103,7 @@ def _run_from_args(args: argparse.Namespace) -> int:
         start_method=args.start_method,
         local_addr=args.local_addr,
         connect_timeout=args.connect_timeout,
+        secret_file=args.secret_file,
     )
 
 
@@ -115,6 +122,7 @@ def join(
     start_method: str = "forkserver",
     local_addr: str | None = None,
     connect_timeout: float = 60.0,
+    secret_file: str | None = None,
     out: TextIO | None = None,
 ) -> int:
     """Join the run ``run_id`` hosted at ``endpoint``; return the command's exit code.
@@ -162,8 +170,21 @@ def join(
     if store.check([keys.complete]) or store.check([keys.control]):
         say(f"run {run_id} at {endpoint} is not taking nodes any more (complete or stopped)")
         return EXIT_USAGE
-    config = pickle.loads(store.get(keys.config))
-    if config.get("version") != CONFIG_VERSION:
+    try:
+        secret = secret_for_join(run_id, secret_file)
+    except (AuthenticationError, OSError) as exc:
+        say(str(exc))
+        return EXIT_USAGE
+    try:
+        config = secret.open(store.get(keys.config), keys.config)
+    except AuthenticationError:
+        say(
+            f"the settings of run {run_id} at {endpoint} failed authentication: this node has "
+            f"another secret than the notebook's (run the join command exactly as printed), or "
+            "another client wrote them; nothing was started"
+        )
+        return EXIT_USAGE
+    if not isinstance(config, dict) or config.get("version") != CONFIG_VERSION:
         say(
             f"run {run_id} was started by another nblaunch version (settings format "
             f"{config.get('version')}, this node reads {CONFIG_VERSION}); install the same "
@@ -176,19 +197,25 @@ def join(
             config, node_rank=1, run_id=run_id, master_addr=host, start_method=start_method
         )
     except LaunchError as exc:
-        store.queue_push(keys.hello, pickle.dumps({"host": name, "error": str(exc)}))
+        store.queue_push(keys.hello, secret.seal({"host": name, "error": str(exc)}, keys.hello))
         say(f"{exc}; the notebook was told")
         return EXIT_USAGE
     warm_up(start_method)
-    store.queue_push(keys.hello, pickle.dumps({"host": name, "pid": os.getpid()}))
+    store.queue_push(keys.hello, secret.seal({"host": name, "pid": os.getpid()}, keys.hello))
     say(f"joining run {run_id} at {endpoint} ({config['num_nodes']} nodes)")
     handler = rendezvous_handler(
-        connect_store(host, port), run_id, config["num_nodes"], local_addr, config["rdzv_timeout"]
+        connect_store(host, port),
+        run_id,
+        config["num_nodes"],
+        local_addr,
+        config["rdzv_timeout"],
+        secret,
+        endpoint,
     )
     try:
         with unshared_rendezvous_store():
             info = handler.next_rendezvous()
-        head_rank = int(store.get(keys.head_rank))
+        head_rank = int(secret.verify(store.get(keys.head_rank), keys.head_rank))
     except (RendezvousClosedError, RendezvousGracefulExitError):
         say(f"run {run_id} was closed before every node joined (interrupted or timed out)")
         return EXIT_FAILED
@@ -198,6 +225,9 @@ def join(
     except KeyboardInterrupt:
         say("interrupted while the nodes gathered")
         return EXIT_FAILED
+    except AuthenticationError as exc:
+        say(str(exc))
+        return EXIT_FAILED
     except (RendezvousError, RuntimeError) as exc:
         say(f"lost the rendezvous at {endpoint}: {_first_line(exc)}")
         return EXIT_FAILED
@@ -205,12 +235,16 @@ def join(
     plan = plan_for_joined_node(
         config, node_rank=node_rank, run_id=run_id, master_addr=host, start_method=start_method
     )
-    payload = store.get(keys.payload)
+    try:
+        payload = secret.open(store.get(keys.payload), keys.payload)
+    except AuthenticationError as exc:
+        say(f"{exc}; nothing was started")
+        return EXIT_FAILED
     _terminate_as_interrupt()
     ranks = plan.local_ranks
     span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
     say(f"node {node_rank} of {plan.num_nodes}: {span}")
-    return NodeRun(plan, payload, store, keys, name, say, handler).run()
+    return NodeRun(plan, payload, store, keys, name, say, secret, handler).run()
 
 
 def wait_for_port(host: str, port: int, timeout: float) -> bool:
@@ -239,10 +273,17 @@ class Uplink:
     set when the store cannot be reached any more: the notebook has gone.
     """
 
-    def __init__(self, store: Any, key: str, node: int, beat_store: Any = None) -> None:
+    def __init__(
+        self, store: Any, key: str, node: int, secret: RunSecret, beat_store: Any = None
+    ) -> None:
         self.store = store
         self.key = key
         self.node = node
+        self.secret = secret
+        # Events pushed so far: each record says where it starts, so the notebook sees a gap
+        # if someone else takes records off the queue. Pushes and beats take turns.
+        self.pushed = 0
+        self._push_lock = threading.Lock()
         self.buffer: list[dict[str, Any]] = []
         self.last_push = 0.0
         self.lost: str | None = None
@@ -255,10 +296,10 @@ class Uplink:
             self._beat.start()
 
     def _beat_loop(self, store: Any) -> None:
-        beat = pickle.dumps((self.node, []))
         while not self._stop.wait(BEAT_INTERVAL_S):
             try:
-                store.queue_push(self.key, beat)
+                with self._push_lock:
+                    store.queue_push(self.key, self._record([]))
             except Exception as exc:
                 self.lost = _first_line(exc)
                 return
@@ -283,9 +324,14 @@ class Uplink:
         batch, self.buffer = self.buffer, []
         self.last_push = time.monotonic()
         try:
-            self.store.queue_push(self.key, pickle.dumps((self.node, batch)))
+            with self._push_lock:
+                self.store.queue_push(self.key, self._record(batch))
+                self.pushed += len(batch)
         except Exception as exc:
             self.lost = _first_line(exc)
+
+    def _record(self, batch: list[dict[str, Any]]) -> bytes:
+        return self.secret.seal((self.node, self.pushed, batch), self.key)
 
     def close(self) -> None:
         self._stop.set()
@@ -305,6 +351,7 @@ class NodeRun:
         keys: Keys,
         name: str,
         say: Any,
+        secret: RunSecret,
         handler: Any = None,
     ) -> None:
         self.plan = plan
@@ -314,7 +361,9 @@ class NodeRun:
         self.name = name
         self.say = say
         self.handler = handler  # the rendezvous, left once the ranks stopped
-        self.uplink = Uplink(store, keys.up, plan.node_rank, beat_store=_beat_store(store))
+        self.secret = secret
+        self.uplink = Uplink(store, keys.up, plan.node_rank, secret, beat_store=_beat_store(store))
+        self._forged_control = False
         self.finished: set[int] = set()
         self.returned: set[int] = set()
         self._last_control_check = 0.0
@@ -403,9 +452,22 @@ class NodeRun:
         try:
             if not self.store.check([self.keys.control]):
                 return None
-            return self.store.get(self.keys.control).decode()
+            value = self.store.get(self.keys.control)
         except Exception as exc:
             self.uplink.lost = _first_line(exc)
+            return None
+        try:
+            return self.secret.verify(value, self.keys.control).decode()
+        except AuthenticationError:
+            if not self._forged_control:  # ignored, and said once
+                self._forged_control = True
+                self.say(
+                    "ignored a control value that failed authentication: another client is "
+                    "writing to the run's store"
+                )
+                self.uplink.news(
+                    "forged_control", message="a forged control value was ignored on this node"
+                )
             return None
 
 

@@ -43,6 +43,8 @@ DEVICE_TYPES = ("cuda", "cpu", "xla")
 SECONDARY_GRACE_S = 3.0
 # After a root cause, how long the other ranks get to stop before SIGKILL.
 STOP_GRACE_S = 2.0
+# Run directories kept under the default base (NBLAUNCH_KEEP_RUNS changes it; 0 keeps all).
+KEEP_RUNS = 50
 # More CPU ranks than this per core are refused unless NBLAUNCH_MAX_PROCESSES allows them.
 CPU_RANKS_PER_CORE = 4
 # How long the other ranks get to stop once a root cause (a failure, a death, a hang) is known.
@@ -520,6 +522,7 @@ def _new_run_dir(run_dir: str | os.PathLike[str] | None) -> Path:
     LaunchError
         The directory cannot be made or written, naming it and how to choose another.
     """
+    base = None
     if run_dir is not None:
         path, chosen_by = Path(run_dir), "run_dir="
     else:
@@ -528,7 +531,8 @@ def _new_run_dir(run_dir: str | os.PathLike[str] | None) -> Path:
         path = base / f"{stamp}-{secrets.token_hex(3)}"
         chosen_by = "NBLAUNCH_RUN_DIR" if "NBLAUNCH_RUN_DIR" in os.environ else "the default"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        # Private: the logs hold whatever the ranks print, tokens included.
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         problem = None if os.access(path, os.W_OK) else "it is not writable"
     except OSError as exc:
         problem = f"{type(exc).__name__}: {exc.strerror or exc}"
@@ -537,7 +541,30 @@ def _new_run_dir(run_dir: str | os.PathLike[str] | None) -> Path:
             f"cannot use {path} (from {chosen_by}) for the run's logs: {problem}. Pass "
             "run_dir= a directory you can write to (or set NBLAUNCH_RUN_DIR)."
         )
+    if base is not None:
+        _prune_runs(base, keep=path)
     return path
+
+
+# A run directory nblaunch named itself: "20261203-084512-3fa9c1".
+_RUN_DIR_NAME = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
+
+
+def _prune_runs(base: Path, keep: Path) -> None:
+    """Remove the oldest of nblaunch's own run directories under ``base``, keeping the newest
+    ``NBLAUNCH_KEEP_RUNS`` (default ``KEEP_RUNS``; 0 keeps every one). Best effort."""
+    import shutil
+
+    try:
+        limit = int(os.environ.get("NBLAUNCH_KEEP_RUNS", KEEP_RUNS))
+        runs = sorted(p for p in base.iterdir() if _RUN_DIR_NAME.match(p.name) and p.is_dir())
+    except (OSError, ValueError):
+        return
+    if limit <= 0:
+        return
+    for old in runs[: max(0, len(runs) - limit)]:  # names sort by time
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 # --- the payload ---------------------------------------------------------------------------------

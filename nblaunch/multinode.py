@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import pickle
 import signal
 import socket
 import threading
@@ -48,11 +47,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from nblaunch.errors import LaunchError, RankFailedError, RendezvousTimeoutError
+from nblaunch.errors import (
+    AuthenticationError,
+    LaunchError,
+    RankFailedError,
+    RendezvousTimeoutError,
+)
 from nblaunch.events import Event, EventSink, RunState
 from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S, LaunchPlan, Run
-from nblaunch.relay import Relay, log_line
+from nblaunch.relay import Relay, log_line, open_log
 from nblaunch.supervisor import Supervisor, warm_up
+from nblaunch.trust import SECRET_ENV, RunSecret, SigningStore, remove_secret_file
 from nblaunch.worker import TASK
 
 DEFAULT_PORT = 29400
@@ -165,9 +170,16 @@ def connect_store(host: str, port: int, timeout: float = STORE_TIMEOUT_S) -> Any
 
 
 def rendezvous_handler(
-    store: Any, run_id: str, num_nodes: int, local_addr: str | None, join_timeout: float
+    store: Any,
+    run_id: str,
+    num_nodes: int,
+    local_addr: str | None,
+    join_timeout: float,
+    secret: RunSecret,
+    endpoint: str,
 ) -> Any:
-    """torch's c10d rendezvous for exactly ``num_nodes`` nodes, on ``store``."""
+    """torch's c10d rendezvous for exactly ``num_nodes`` nodes, on ``store``; torch unpickles
+    its state, so its backend reads and writes it signed with the run's ``secret``."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
         C10dRendezvousBackend,
     )
@@ -179,7 +191,7 @@ def rendezvous_handler(
     return DynamicRendezvousHandler.from_backend(
         run_id,
         store,
-        C10dRendezvousBackend(store, run_id),
+        C10dRendezvousBackend(SigningStore(store, secret, endpoint), run_id),
         min_nodes=num_nodes,
         max_nodes=num_nodes,
         local_addr=local_addr,
@@ -497,6 +509,11 @@ class Head:
         self.done: set[int] = set()  # nodes that reported their ranks stopped
         self.errors: list[tuple[int, str]] = []  # (node, message) of nodes that broke down
         self._control: str | None = None
+        # Only holders of the run's secret may write what this kernel reads (nblaunch.trust).
+        self.secret = RunSecret.new()
+        self.secret.write_file(plan.run_id)  # for nodes sharing this home directory
+        self.received: dict[int, int] = {}  # node -> events received from it so far
+        self.dropped = 0  # records that failed authentication
 
     @property
     def endpoint(self) -> str:
@@ -504,7 +521,11 @@ class Head:
         return f"{host}:{self.port}"
 
     def join_command(self) -> str:
-        return f"python -m nblaunch join {self.endpoint} --run-id {self.plan.run_id}"
+        # The secret goes in the environment, which other users cannot read (unlike arguments).
+        return (
+            f"{SECRET_ENV}={self.secret.text} python -m nblaunch join {self.endpoint} "
+            f"--run-id {self.plan.run_id}"
+        )
 
     # --- before the ranks start --------------------------------------------------------------
 
@@ -521,8 +542,8 @@ class Head:
         plan = self.plan
         keys = self.keys
         config = {**plan.node_config(), "rdzv_timeout": timeout}
-        self.store.set(keys.config, pickle.dumps(config))
-        self.store.set(keys.payload, payload)
+        self.store.set(keys.config, self.secret.seal(config, keys.config))
+        self.store.set(keys.payload, self.secret.seal(payload, keys.payload))
         self._show(
             {
                 "kind": "run_info",
@@ -549,7 +570,13 @@ class Head:
         # The rendezvous blocks; it runs on a thread (with its own connection to the store) so
         # that this thread can show the nodes arriving and take the notebook's interrupt.
         self.handler = rendezvous_handler(
-            connect_store(self.host, self.port), plan.run_id, plan.num_nodes, self.host, timeout
+            connect_store(self.host, self.port),
+            plan.run_id,
+            plan.num_nodes,
+            self.host,
+            timeout,
+            self.secret,
+            self.endpoint,
         )
         outcome: dict[str, Any] = {}
 
@@ -574,8 +601,8 @@ class Head:
             self._close_rendezvous()
             self._raise_rendezvous_error(outcome["error"], timeout)
         info = outcome["info"]
-        self.store.set(keys.head_rank, str(info.rank))
-        self.store.set(keys.complete, "1")
+        self.store.set(keys.head_rank, self.secret.sign(str(info.rank), keys.head_rank))
+        self.store.set(keys.complete, self.secret.sign("1", keys.complete))
         self._take_hellos()
         if others:
             self.info(
@@ -588,6 +615,8 @@ class Head:
     def _take_hellos(self) -> None:
         """Show the nodes that arrived; fail at once when one reported it cannot take part."""
         for record in self._pop_all(self.keys.hello):
+            if not isinstance(record, dict) or "host" not in record:
+                continue
             if record.get("error"):
                 self._close_rendezvous()
                 raise LaunchError(
@@ -618,6 +647,8 @@ class Head:
                 joined=joined,
                 expected=self.plan.num_nodes,
             ) from None
+        if isinstance(error, AuthenticationError):  # torch's rendezvous state was tampered with
+            raise error
         raise LaunchError(
             f"the rendezvous at {self.endpoint} failed: {type(error).__name__}: {error}"
         ) from error
@@ -625,7 +656,7 @@ class Head:
     def _close_rendezvous(self) -> None:
         """Close the rendezvous, so nodes still waiting (or arriving late) give up at once."""
         with contextlib.suppress(Exception):
-            self.store.set(self.keys.control, CONTROL_STOP)
+            self.store.set(self.keys.control, self.secret.sign(CONTROL_STOP, self.keys.control))
         with contextlib.suppress(Exception):
             closer = rendezvous_handler(
                 connect_store(self.host, self.port, timeout=5.0),
@@ -633,6 +664,8 @@ class Head:
                 self.plan.num_nodes,
                 self.host,
                 5.0,
+                self.secret,
+                self.endpoint,
             )
             closer.set_closed()
 
@@ -642,8 +675,22 @@ class Head:
         """The batches the other nodes pushed since the last call: ``(node, events)``."""
         batches = []
         now = time.monotonic()
-        for node, events in self._pop_all(self.keys.up):
+        for record in self._pop_all(self.keys.up):
+            node, first, events = record
+            if node not in self.last_seen:
+                continue  # not a node of this run
             self.last_seen[node] = now
+            expected = self.received.get(node, 0)
+            if first > expected:  # taken off the queue by someone else
+                self._warn(
+                    f"{first - expected} event(s) from node {self.hosts.get(node, node)} were "
+                    "removed from the run's store by another client",
+                    "Output lines or events of that node's ranks are missing from the view and "
+                    f"the rank logs. Something else reads the store at {self.endpoint}.",
+                )
+            elif first < expected:
+                continue  # a record seen before, pushed again
+            self.received[node] = first + len(events)
             batches.append((node, events))
         return batches
 
@@ -653,7 +700,7 @@ class Head:
             return  # ok/stop are final; only an interrupt may be followed by a stop
         self._control = value
         with contextlib.suppress(Exception):
-            self.store.set(self.keys.control, value)
+            self.store.set(self.keys.control, self.secret.sign(value, self.keys.control))
 
     @property
     def control_sent(self) -> str | None:
@@ -676,23 +723,41 @@ class Head:
             pending = self.store.queue_len(key)
             for _ in range(pending):
                 try:
-                    records.append(pickle.loads(self.store.queue_pop(key, False)))
+                    data = self.store.queue_pop(key, False)
                 except QueueEmptyError:
                     break
+                try:
+                    records.append(self.secret.open(data, key))
+                except AuthenticationError as exc:  # never unpickled: dropped and said
+                    self.dropped += 1
+                    self._warn(
+                        f"a record on the run's store failed authentication and was dropped "
+                        f"({self.dropped} so far)",
+                        f"{exc}. Another client is writing to the store at {self.endpoint} "
+                        "(the store does not tell who). Run on a private network, or check "
+                        "who else reaches that port.",
+                    )
         return records
 
-    def info(self, title: str, body: str) -> None:
+    def info(self, title: str, body: str, severity: str = "info") -> None:
         """Show a line of news about the nodes (an ``info`` Diagnosis) at once."""
         self._show(
             {
                 "kind": "diagnosis",
                 "title": title,
                 "body": body,
-                "severity": "info",
+                "severity": severity,
                 "rank": None,
                 "secondary": [],
             }
         )
+
+    def _warn(self, title: str, body: str) -> None:
+        """Tampering seen: a warning in the view, and on stderr (the log) whatever the view."""
+        import sys
+
+        print(f"nblaunch: warning: {title}. {body}", file=sys.stderr)
+        self.info(title, body, severity="warning")
 
     def _show(self, event: Event) -> None:
         self.view.handle(event)
@@ -708,6 +773,7 @@ class Head:
             self.handler = None
         self.store = None
         self.server = None  # the last reference: the server stops listening
+        remove_secret_file(self.plan.run_id)
 
 
 class _NodeSupervisor(Supervisor):
@@ -788,11 +854,16 @@ class NodesRelay(Relay):
                 head.errors.append((node, f"stopped its ranks on its own: {news['outcome']}"))
         elif what == "error":
             head.errors.append((node, news["message"]))
+        elif what == "forged_control":
+            head._warn(
+                f"node {head.hosts.get(node, node)} ignored a forged control value",
+                f"Another client set the run's control key at {head.endpoint}; the node went on.",
+            )
         return []
 
     def _remote_log(self, rank: int, text: str) -> None:
         if self.run_dir is not None and rank not in self._logs:
-            self._logs[rank] = open(self.run_dir / f"rank{rank}.log", "ab")  # noqa: SIM115
+            self._logs[rank] = open_log(self.run_dir, rank)
         self._log_text(rank, text)
 
     def drain_output(self, timeout: float = 2.0) -> None:

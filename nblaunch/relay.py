@@ -83,7 +83,7 @@ class Relay:
         # in_order log records are lined up by (seq, rank) before the view sees them
         self.in_order = InOrderLog()
         if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for rank in ranks:
             self.add(rank)
 
@@ -96,7 +96,7 @@ class Relay:
         self.in_order.add_rank(rank.rank)
         self.tails.setdefault(rank.rank, collections.deque(maxlen=TAIL_LINES))
         if self.run_dir is not None and rank.rank not in self._logs:
-            self._logs[rank.rank] = open(self.run_dir / f"rank{rank.rank}.log", "ab")  # noqa: SIM115
+            self._logs[rank.rank] = open_log(self.run_dir, rank.rank)
 
     def remove(self, rank: RankProcess) -> None:
         """Stop reading a rank process's pipes (it was replaced by a restarted one)."""
@@ -412,6 +412,12 @@ class Relay:
 def _decode(raw: bytes) -> str:
     """Text of a rank's bytes; invalid UTF-8 becomes U+FFFD instead of breaking the view."""
     return raw.decode("utf-8", errors="replace")
+
+
+def open_log(run_dir: Path, rank: int) -> Any:
+    """``rank<N>.log`` for appending, readable by this user only: ranks print tokens too."""
+    path = run_dir / f"rank{rank}.log"
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
 
 
 def log_line(event: Log) -> str:
