@@ -1226,9 +1226,7 @@ def _exit_while_others_wait(hang: BaseException, rank: int, world_size: int) -> 
         )
         .replace(f"rank {rank} returned after", f"rank {rank} exited after", 1)
     )
-    error = RankFailedError(message, rank=rank, world_size=world_size, exitcode=0)
-    error.__cause__ = hang
-    return error
+    return RankFailedError(message, rank=rank, world_size=world_size, exitcode=0)
 
 
 def _is_verdict(failure: dict[str, Any]) -> bool:
