@@ -19,6 +19,7 @@ from nblaunch.memory import (
     per_device_batch_size,
     set_seed,
 )
+from nblaunch.metrics import load_metrics, log_metrics
 from nblaunch.ops import (
     all_reduce,
     broadcast,
@@ -59,7 +60,9 @@ __all__ = [
     "gather_object",
     "get_logger",
     "is_main_process",
+    "load_metrics",
     "local_rank",
+    "log_metrics",
     "notebook_launcher",
     "pad_across_processes",
     "per_device_batch_size",

@@ -106,6 +106,16 @@ class Failure(TypedDict):
     where: str  # innermost user frame, "file.py:12 in train"
 
 
+class Metrics(TypedDict):
+    """Numbers a rank logged with ``nblaunch.log_metrics`` at one step."""
+
+    kind: Literal["metrics"]
+    rank: int
+    step: int
+    values: dict[str, float]
+    time: float
+
+
 class Result(TypedDict):
     kind: Literal["result"]
     rank: int
@@ -182,6 +192,7 @@ class RunEnded(TypedDict):
 Event = (
     Started
     | Log
+    | Metrics
     | Progress
     | Heartbeat
     | Failure

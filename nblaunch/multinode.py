@@ -833,6 +833,8 @@ class NodesRelay(Relay):
                     continue
                 if kind == "log":
                     self._remote_log(rank, log_line(event))
+                elif kind == "metrics":
+                    self.write_metrics(event)
                 for ready in self.in_order.feed(event):
                     self.sink.handle(ready)
                 received.append(event)

@@ -34,6 +34,7 @@ from typing import Any
 
 from nblaunch.events import Event, EventSink, Log, Stream
 from nblaunch.logging import InOrderLog
+from nblaunch.metrics import METRICS_FILE, metric_lines
 from nblaunch.supervisor import RankProcess
 
 # A line longer than this is passed on in pieces rather than held in memory until its end.
@@ -76,6 +77,7 @@ class Relay:
         self._drawing: set[tuple[int, int]] = set()  # (rank, fd) whose last line sent was a state
         self._log_midline: dict[int, int] = {}  # rank -> source whose last log write ended mid-line
         self._logs: dict[int, Any] = {}
+        self._metrics_file: Any = None  # <run dir>/metrics.jsonl, opened at the first metric
         self._conns: dict[int, RankProcess] = {}
         self.tails: dict[int, collections.deque[str]] = {}
         self.last_output: dict[int, float] = {}
@@ -169,6 +171,9 @@ class Relay:
         for log in self._logs.values():
             log.close()
         self._logs.clear()
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -229,6 +234,8 @@ class Relay:
             self._logs_flushed = now
             for log in self._logs.values():
                 log.flush()
+            if self._metrics_file is not None:
+                self._metrics_file.flush()
 
     def _read_events(self, rank: int, fileno: int) -> list[dict[str, Any]]:
         process = self._conns[rank]
@@ -240,6 +247,8 @@ class Relay:
                 if event["kind"] == "log":
                     self._end_progress(rank)  # a record is the rank's next output
                     self._log_text(rank, log_line(event))
+                elif event["kind"] == "metrics":
+                    self.write_metrics(event)
                 for ready in self.in_order.feed(event):
                     self.sink.handle(ready)
         except (EOFError, OSError):
@@ -386,6 +395,16 @@ class Relay:
                 "carriage": carriage,
             }
             handle(event)
+
+    def write_metrics(self, event: dict[str, Any]) -> None:
+        """Append a ``metrics`` event to ``<run dir>/metrics.jsonl`` (nblaunch.metrics)."""
+        if self.run_dir is None:
+            return
+        if self._metrics_file is None:
+            path = self.run_dir / METRICS_FILE
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            self._metrics_file = os.fdopen(os.open(path, flags, 0o600), "a")
+        self._metrics_file.write(metric_lines(event))
 
     def _log_text(self, rank: int, text: str) -> None:
         self._log_bytes(rank, _LOG_SOURCE, text.encode("utf-8", errors="replace"))

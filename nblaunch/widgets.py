@@ -26,6 +26,7 @@ import time
 from typing import Any, TextIO
 
 from nblaunch.events import Event, RunState
+from nblaunch.metrics import MetricSeries, render_svg
 
 DISPLAY_MODES = ("auto", "widget", "text", "none")
 # Lines a LaunchView keeps on screen per rank; NBLAUNCH_VIEW_LINES changes it.
@@ -319,6 +320,7 @@ class LaunchView:
         self.progress: dict[tuple[int, str], str] = {}
         self.heartbeats: dict[int, tuple[float, float, str | None]] = {}
         self.results: dict[int, bytes] = {}  # rank -> its pickled return value, when small
+        self.metrics = MetricSeries()  # what ranks sent with nblaunch.log_metrics
         self._all: collections.deque[_Line] = collections.deque(maxlen=max_lines)
         self._per_rank: dict[int, collections.deque[_Line]] = {}
         self._counts: dict[int, int] = collections.Counter()
@@ -380,6 +382,9 @@ class LaunchView:
         elif kind == "result":
             if len(event["value_bytes"]) <= SUMMARY_VALUE_BYTES:
                 self.results[event["rank"]] = event["value_bytes"]
+        elif kind == "metrics":
+            self.metrics.add(event)
+            self._dirty.add("charts")
         elif kind == "diagnosis":
             self._on_diagnosis(dict(event))
         elif kind == "run_info":
@@ -410,7 +415,7 @@ class LaunchView:
         with self._stop_lock:
             self._running = False
         if self._widgets:
-            self._dirty.update(("head", "ranks", "panel", "progress", "logs"))
+            self._dirty.update(("head", "ranks", "panel", "progress", "charts", "logs"))
             self._dirty.update(self._per_rank)
             self.flush(force=True)
             stop = self._widgets["stop"]
@@ -574,6 +579,7 @@ class LaunchView:
         ranks = html()
         panel = html(layout="hidden")
         progress = html(layout="hidden")
+        charts = html(layout="hidden")
         self._logs = [html() for _ in range(world + 1)]
         tabs = widgets.Tab(
             children=self._logs,
@@ -581,7 +587,9 @@ class LaunchView:
             layout=shared["plain"],
         )
         top = widgets.HBox([head, stop], layout=shared["row"])
-        root = widgets.VBox([html(CSS), top, ranks, panel, progress, tabs], layout=shared["plain"])
+        root = widgets.VBox(
+            [html(CSS), top, ranks, panel, progress, charts, tabs], layout=shared["plain"]
+        )
         root.add_class("nbl-root")
         self._widgets = {
             "root": root,
@@ -590,6 +598,7 @@ class LaunchView:
             "ranks": ranks,
             "panel": panel,
             "progress": progress,
+            "charts": charts,
             "tabs": tabs,
         }
         for rank in range(world):
@@ -615,6 +624,8 @@ class LaunchView:
             sent += self._show(w["panel"], self._panel_html())
         if "progress" in dirty:
             sent += self._show(w["progress"], self._progress_html())
+        if "charts" in dirty:
+            sent += self._show(w["charts"], render_svg(self.metrics) if self.metrics else "")
         if "logs" in dirty:
             sent += self._set(self._logs[0], self._log_html(self._all, None, tagged=True))
         for rank, log in enumerate(self._logs[1:]):
@@ -829,10 +840,14 @@ class LaunchView:
                 f"<div style='color:#475569;margin-top:4px'>rank {r}, last "
                 f"{_plural(len(lines), 'line')}</div><pre style='{pre}'>{note}{body}</pre>"
             )
+        charts = render_svg(self.metrics) if self.metrics else ""  # kept in the saved file
+        if self.metrics:
+            names = ", ".join(sorted(self.metrics.series))
+            plain.append(f"metrics: {names} (in {run_dir or 'the run'}/metrics.jsonl)")
         html_out = (
             f"<div><b>nblaunch</b> {title}<table style='border-collapse:collapse;"
             f"margin:4px 0'>{''.join(rows)}</table>{where if run_dir else ''}{found}"
-            f"{''.join(blocks)}</div>"
+            f"{charts}{''.join(blocks)}</div>"
         )
         return {"text/plain": "\n".join(plain), "text/html": html_out}
 
@@ -1087,7 +1102,7 @@ class DeferredView:
             return
         self._pending.append(event)
         kind = event["kind"]
-        if kind in ("stream", "log", "progress", "diagnosis") or (
+        if kind in ("stream", "log", "progress", "diagnosis", "metrics") or (
             kind == "run_ended" and not event["ok"]
         ):
             self._worth_showing = True

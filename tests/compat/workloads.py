@@ -105,9 +105,12 @@ def ddp_tutorial(steps: int = 5, seed: int = 0) -> dict[str, Any]:
 # --- (b) Transformers Trainer ------------------------------------------------------------------
 
 
-def transformers_trainer(output_dir: str, steps: int = 4, seed: int = 0) -> dict[str, Any]:
+def transformers_trainer(
+    output_dir: str, steps: int = 4, seed: int = 0, metrics: bool = False
+) -> dict[str, Any]:
     """A 1-layer GPT-2 trained by ``Trainer`` with default ``TrainingArguments`` (but a few
-    that keep it small and offline: steps, batch size, no reporting, no checkpoints)."""
+    that keep it small and offline: steps, batch size, no reporting, no checkpoints).
+    ``metrics``: with nblaunch's callback, as a user who wants the charts would add it."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
@@ -135,7 +138,12 @@ def transformers_trainer(output_dir: str, steps: int = 4, seed: int = 0) -> dict
         save_strategy="no",
         seed=seed,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 16))
+    callbacks = []
+    if metrics:
+        from nblaunch.integrations import TrainerMetrics
+
+        callbacks.append(TrainerMetrics())
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 16), callbacks=callbacks)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {
@@ -160,8 +168,9 @@ def _regression_data(seed: int) -> Any:
     return torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True) + 0.1)
 
 
-def lightning_trainer(steps: int = 6, seed: int = 0) -> dict[str, Any]:
-    """``Trainer(strategy="ddp", accelerator="cpu", devices=2)`` on a tiny module."""
+def lightning_trainer(steps: int = 6, seed: int = 0, metrics: bool = False) -> dict[str, Any]:
+    """``Trainer(strategy="ddp", accelerator="cpu", devices=2)`` on a tiny module.
+    ``metrics``: ``self.log`` the loss, with nblaunch's logger."""
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -177,6 +186,8 @@ def lightning_trainer(steps: int = 6, seed: int = 0) -> dict[str, Any]:
             x, y = batch
             loss = F.mse_loss(self.layer(x), y)
             self.losses.append(loss.item())
+            if metrics:
+                self.log("train_loss", loss)
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -189,7 +200,8 @@ def lightning_trainer(steps: int = 6, seed: int = 0) -> dict[str, Any]:
         accelerator="cpu",
         devices=2,
         max_steps=steps,
-        logger=False,
+        logger=_lightning_logger() if metrics else False,
+        log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -202,6 +214,12 @@ def lightning_trainer(steps: int = 6, seed: int = 0) -> dict[str, Any]:
         "weights": digest(model),
         "threads": _threads(),
     }
+
+
+def _lightning_logger() -> Any:
+    from nblaunch.integrations import LightningMetrics
+
+    return LightningMetrics()
 
 
 def lightning_fabric(steps: int = 6, seed: int = 0) -> dict[str, Any]:

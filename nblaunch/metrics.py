@@ -1,0 +1,225 @@
+"""Training metrics from every rank: logged in the ranks, charted in the notebook, kept on disk.
+
+- In a rank, :func:`log_metrics` sends ``{name: value}`` with the step, the rank and the time to
+  the notebook as one ``metrics`` event (one pipe write, no collective, no waiting on peers).
+- In the notebook, the relay appends every such event to ``<run dir>/metrics.jsonl`` (one JSON
+  line per rank, step and name), and the view draws one small chart per metric with one line per
+  rank (:func:`render_svg`). The same picture goes into the static summary, as SVG inside the
+  HTML, so a notebook saved without widget state (GitHub, nbviewer, VS Code) still shows it.
+- Later, :func:`load_metrics` reads a run's ``metrics.jsonl`` back as a table.
+
+Charts are plain SVG made here: no chart library, no front-end extension, so they render the
+same in JupyterLab, Notebook 7 and VS Code, and in the saved file.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nblaunch import worker
+
+METRICS_FILE = "metrics.jsonl"
+# Points kept per (metric, rank) in the view; longer series are thinned, keeping both ends.
+MAX_POINTS = 400
+CHART_WIDTH, CHART_HEIGHT = 260, 120
+RANK_COLORS = ("#2563eb", "#c2410c", "#15803d", "#7c3aed", "#0e7490", "#be185d", "#4d7c0f")
+
+_steps: dict[int, int] = {}  # rank -> next automatic step, inside a rank
+
+
+def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
+    """Send numeric metrics of this rank to the notebook's charts and ``metrics.jsonl``.
+
+    Parameters
+    ----------
+    values
+        Metric names and numbers, e.g. ``{"loss": 0.31, "lr": 1e-4}``. Values that are not
+        numbers (or tensors of one element) are left out.
+    step
+        The training step; by default this rank's calls are counted 0, 1, 2, ...
+
+    Outside an nblaunch rank (a plain script, under torchrun) it does nothing.
+    """
+    context = worker.current()
+    if context is None:
+        return
+    numbers = {}
+    for name, value in values.items():
+        number = _number(value)
+        if number is not None:
+            numbers[str(name)] = number
+    if not numbers:
+        return
+    if step is None:
+        step = _steps.get(context.rank, 0)
+    _steps[context.rank] = int(step) + 1
+    worker.emit(
+        {
+            "kind": "metrics",
+            "rank": context.rank,
+            "step": int(step),
+            "values": numbers,
+            "time": time.time(),
+        }
+    )
+
+
+def _number(value: Any) -> float | None:
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+# --- on disk -------------------------------------------------------------------------------------
+
+
+def metric_lines(event: Mapping[str, Any]) -> str:
+    """The ``metrics.jsonl`` lines of one ``metrics`` event: one per metric name."""
+    return "".join(
+        json.dumps(
+            {
+                "rank": event["rank"],
+                "step": event["step"],
+                "time": event["time"],
+                "name": name,
+                "value": value if math.isfinite(value) else str(value),
+            }
+        )
+        + "\n"
+        for name, value in event["values"].items()
+    )
+
+
+def load_metrics(run_dir: str | Path) -> Any:
+    """A run's metrics as a table: a pandas ``DataFrame`` when pandas is installed, else a list
+    of dicts, with columns ``rank``, ``step``, ``time``, ``name`` and ``value``.
+
+    Raises
+    ------
+    FileNotFoundError
+        The run directory has no ``metrics.jsonl`` (no rank called :func:`log_metrics`).
+    """
+    path = Path(run_dir) / METRICS_FILE
+    rows = []
+    with path.open() as file:
+        for line in file:
+            if line.strip():
+                row = json.loads(line)
+                row["value"] = float(row["value"])  # "nan" and "inf" were written as text
+                rows.append(row)
+    try:
+        import pandas
+    except ImportError:
+        return rows
+    return pandas.DataFrame(rows, columns=["rank", "step", "time", "name", "value"])
+
+
+# --- in the notebook -----------------------------------------------------------------------------
+
+
+class MetricSeries:
+    """What the view keeps of the metrics: per name and rank, at most ``MAX_POINTS`` points."""
+
+    def __init__(self, max_points: int = MAX_POINTS) -> None:
+        self.max_points = max_points
+        self.series: dict[str, dict[int, list[tuple[float, float]]]] = {}
+
+    def add(self, event: Mapping[str, Any]) -> None:
+        for name, value in event["values"].items():
+            points = self.series.setdefault(name, {}).setdefault(event["rank"], [])
+            points.append((float(event["step"]), value))
+            if len(points) > self.max_points:
+                points[:] = _thin(points, self.max_points // 2)
+
+    def __bool__(self) -> bool:
+        return bool(self.series)
+
+
+def _thin(points: list[tuple[float, float]], keep: int) -> list[tuple[float, float]]:
+    """Every other point of the older part, the newest ``keep`` untouched: both ends stay."""
+    old, recent = points[:-keep], points[-keep:]
+    return [*old[::2], *recent]
+
+
+def render_svg(series: MetricSeries, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> str:
+    """One small line chart per metric, one line per rank, with a legend; HTML with inline SVG."""
+    charts = [
+        _chart(name, by_rank, width, height) for name, by_rank in sorted(series.series.items())
+    ]
+    ranks = sorted({rank for by_rank in series.series.values() for rank in by_rank})
+    legend = " ".join(
+        f"<span style='color:{_color(rank)}'>&#9632; rank {rank}</span>" for rank in ranks
+    )
+    return (
+        "<div class='nbl-charts' style='display:flex;flex-wrap:wrap;gap:8px;margin:4px 0'>"
+        + "".join(charts)
+        + f"</div><div class='nbl-dim' style='font-size:11px'>{legend}</div>"
+    )
+
+
+def _chart(name: str, by_rank: Mapping[int, list[tuple[float, float]]], width: int, height: int):
+    finite = [(x, y) for points in by_rank.values() for x, y in points if math.isfinite(y)]
+    pad_left, pad, top = 44, 6, 16
+    plot_w, plot_h = width - pad_left - pad, height - top - 16
+    parts = [
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+        f"viewBox='0 0 {width} {height}' style='background:#fcfcfd;border:1px solid #e2e8f0;"
+        "border-radius:4px'>",
+        f"<text x='{pad_left}' y='11' font-size='11' font-family='sans-serif' fill='#334155'>"
+        f"{html.escape(name)}</text>",
+    ]
+    if finite:
+        xs, ys = [x for x, _ in finite], [y for _, y in finite]
+        x0, x1 = min(xs), max(xs)
+        y0, y1 = min(ys), max(ys)
+        if y1 == y0:
+            y0, y1 = y0 - 0.5, y1 + 0.5
+        x1 = x1 if x1 > x0 else x0 + 1
+
+        def scale(x: float, y: float) -> str:
+            px = pad_left + (x - x0) / (x1 - x0) * plot_w
+            py = top + (1 - (y - y0) / (y1 - y0)) * plot_h
+            return f"{px:.1f},{py:.1f}"
+
+        for label, y in ((_short(y1), top + 4), (_short(y0), top + plot_h)):
+            parts.append(
+                f"<text x='{pad_left - 4}' y='{y}' font-size='9' text-anchor='end' "
+                f"font-family='sans-serif' fill='#64748b'>{label}</text>"
+            )
+        parts.append(
+            f"<text x='{width - pad}' y='{height - 3}' font-size='9' text-anchor='end' "
+            f"font-family='sans-serif' fill='#64748b'>step {_short(x1)}</text>"
+        )
+        for rank, points in sorted(by_rank.items()):
+            drawn = " ".join(scale(x, y) for x, y in points if math.isfinite(y))
+            if drawn:
+                parts.append(
+                    f"<polyline fill='none' stroke='{_color(rank)}' stroke-width='1.5' "
+                    f"points='{drawn}'/>"
+                )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _short(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _color(rank: int) -> str:
+    return RANK_COLORS[rank % len(RANK_COLORS)]
+
+
+def series_from(events: Iterable[Mapping[str, Any]]) -> MetricSeries:
+    """The series of a list of ``metrics`` events (tests, saved runs)."""
+    series = MetricSeries()
+    for event in events:
+        series.add(event)
+    return series

@@ -1,0 +1,153 @@
+"""Metrics from every rank: ``log_metrics`` in ranks, ``metrics.jsonl``, charts, frameworks."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import WIDGET_VIEW
+
+from nblaunch import load_metrics, log_metrics, notebook_launcher
+from nblaunch.metrics import MAX_POINTS, MetricSeries, render_svg, series_from
+from nblaunch.widgets import LaunchView
+
+COMPAT = Path(__file__).parent / "compat"
+
+
+def launch(function, args=(), **kwargs):
+    kwargs.setdefault("display", "none")
+    return notebook_launcher(function, args, num_processes=2, device_type="cpu", **kwargs)
+
+
+def train_and_log(steps):
+    import nblaunch
+
+    for step in range(steps):
+        nblaunch.log_metrics({"loss": 1.0 / (step + 1) + nblaunch.rank(), "note": "text"})
+    nblaunch.log_metrics({"eval_acc": 0.5}, step=100)
+    return steps
+
+
+def test_each_ranks_metrics_reach_metrics_jsonl_and_load_metrics(tmp_path):
+    launch(train_and_log, (5,), run_dir=tmp_path)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert (tmp_path / "metrics.jsonl").stat().st_mode & 0o777 == 0o600
+    rows = load_metrics(tmp_path)
+    table = rows if isinstance(rows, list) else rows.to_dict("records")
+    assert len(lines) == len(table) == 2 * 6  # 5 losses and one eval per rank; text dropped
+    losses = sorted((r["rank"], r["step"], r["value"]) for r in table if r["name"] == "loss")
+    assert losses[:2] == [(0, 0, 1.0), (0, 1, 0.5)]
+    assert (1, 4, 1.2) in losses  # rank 1's own values, steps counted per rank
+    evals = {(r["rank"], r["step"]) for r in table if r["name"] == "eval_acc"}
+    assert evals == {(0, 100), (1, 100)}
+    assert all(json.loads(line)["time"] > 0 for line in lines)
+
+
+def test_outside_a_rank_log_metrics_does_nothing():
+    log_metrics({"loss": 1.0})  # no error, nothing sent
+
+
+def test_charts_draw_a_line_per_rank_and_stay_bounded():
+    events = [
+        {"kind": "metrics", "rank": rank, "step": step, "values": {"loss": 1 / (step + 1)}}
+        for step in range(3 * MAX_POINTS)
+        for rank in (0, 1)
+    ]
+    series = series_from(events)
+    points = series.series["loss"][0]
+    assert len(points) <= MAX_POINTS
+    assert points[0][0] == 0 and points[-1][0] == 3 * MAX_POINTS - 1  # both ends kept
+    svg = render_svg(series)
+    assert svg.count("<polyline") == 2 and "rank 1" in svg and ">loss<" in svg
+    assert not MetricSeries()
+
+
+def test_the_static_summary_carries_the_charts():
+    view = LaunchView()
+    view.live = False  # no widgets: the summary alone, as a quick run shows it
+    for event in (
+        {"kind": "metrics", "rank": 0, "step": 0, "values": {"loss": 2.0}, "time": 0.0},
+        {"kind": "metrics", "rank": 0, "step": 1, "values": {"loss": 1.0}, "time": 0.0},
+        {"kind": "run_ended", "ok": True, "elapsed_s": 1.0, "ranks": {0: "returned"}},
+    ):
+        view.handle(event)
+    bundle = view.summary_bundle()
+    assert "<svg" in bundle["text/html"] and "<polyline" in bundle["text/html"]
+    assert "metrics: loss" in bundle["text/plain"]
+
+
+@pytest.mark.parametrize("framework", ["transformers_trainer", "lightning_trainer"])
+def test_one_line_charts_a_frameworks_logged_loss_on_every_rank(framework, tmp_path):
+    pytest.importorskip("transformers" if framework.startswith("transformers") else "lightning")
+    sys.path.insert(0, str(COMPAT))
+    try:
+        import workloads
+
+        kwargs = {"metrics": True}
+        if framework == "transformers_trainer":
+            kwargs["output_dir"] = str(tmp_path / "out")
+        launch(getattr(workloads, framework), kwargs=kwargs, run_dir=tmp_path / "run")
+    finally:
+        sys.path.remove(str(COMPAT))
+    rows = load_metrics(tmp_path / "run")
+    table = rows if isinstance(rows, list) else rows.to_dict("records")
+    name = "loss" if framework == "transformers_trainer" else "train_loss"
+    ranks = {r["rank"] for r in table if r["name"] == name}
+    assert ranks == {0, 1}, sorted({r["name"] for r in table})
+
+
+CHART_NOTEBOOK = [
+    "import nblaunch\n"
+    "def train():\n"
+    "    import time\n"
+    "    for step in range(20):\n"
+    "        nblaunch.log_metrics({'loss': 1 / (step + 1)})\n"
+    "        time.sleep(0.02)\n",
+    "nblaunch.notebook_launcher(train, num_processes=2, device_type='cpu')",
+]
+
+
+def test_a_notebook_saved_without_widget_state_keeps_the_charts(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in CHART_NOTEBOOK]
+    NotebookClient(
+        notebook,
+        timeout=180,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+        store_widget_state=False,
+    ).execute()
+    path = tmp_path / "charts.ipynb"
+    nbformat.write(notebook, path)
+    saved = nbformat.read(path, as_version=4)
+    static = [
+        out.data["text/html"]
+        for out in saved.cells[1].outputs
+        if out.output_type == "display_data"
+        and WIDGET_VIEW not in out.data
+        and "text/html" in out.data
+    ]
+    assert static and "<svg" in static[-1], [o.output_type for o in saved.cells[1].outputs]
+    assert len(re.findall("<polyline", static[-1])) == 2  # one line per rank
+
+
+def cost_of_log_metrics(calls):
+    import time
+
+    import nblaunch
+
+    began = time.perf_counter()
+    for step in range(calls):
+        nblaunch.log_metrics({"loss": 0.5, "lr": 1e-3}, step=step)
+    return (time.perf_counter() - began) / calls
+
+
+def test_log_metrics_is_cheap():
+    per_call = max(launch(cost_of_log_metrics, (2000,)))
+    assert per_call < 200e-6, per_call  # a loose bound for CI; see the note in docs/metrics.md
