@@ -25,6 +25,11 @@ from typing import Any
 from nblaunch import worker
 
 METRICS_FILE = "metrics.jsonl"
+# Added by log_metrics on CUDA ranks: peak allocated device memory, GiB.
+CUDA_PEAK = "cuda peak GiB"
+# Derived in the notebook from each rank's steps and their times.
+THROUGHPUT = "steps/s"
+THROUGHPUT_WINDOW_S = 0.5  # a throughput point covers at least this long
 # Points kept per (metric, rank) in the view; longer series are thinned, keeping both ends.
 MAX_POINTS = 400
 CHART_WIDTH, CHART_HEIGHT = 260, 120
@@ -56,6 +61,10 @@ def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
             numbers[str(name)] = number
     if not numbers:
         return
+    if context.device.type == "cuda":  # a leaking or heavier rank shows at a glance
+        import torch
+
+        numbers[CUDA_PEAK] = torch.cuda.max_memory_allocated(context.device) / 2**30
     if step is None:
         step = _steps.get(context.rank, 0)
     _steps[context.rank] = int(step) + 1
@@ -131,13 +140,25 @@ class MetricSeries:
     def __init__(self, max_points: int = MAX_POINTS) -> None:
         self.max_points = max_points
         self.series: dict[str, dict[int, list[tuple[float, float]]]] = {}
+        self._since: dict[int, tuple[int, float]] = {}  # rank -> (step, time) of its last rate
 
     def add(self, event: Mapping[str, Any]) -> None:
+        rank, step = event["rank"], event["step"]
         for name, value in event["values"].items():
-            points = self.series.setdefault(name, {}).setdefault(event["rank"], [])
-            points.append((float(event["step"]), value))
-            if len(points) > self.max_points:
-                points[:] = _thin(points, self.max_points // 2)
+            self._append(name, rank, step, value)
+        when = event.get("time")
+        if when is None:
+            return
+        since = self._since.setdefault(rank, (step, when))
+        if step > since[0] and when - since[1] >= THROUGHPUT_WINDOW_S:  # steps per second
+            self._append(THROUGHPUT, rank, step, (step - since[0]) / (when - since[1]))
+            self._since[rank] = (step, when)
+
+    def _append(self, name: str, rank: int, step: int, value: float) -> None:
+        points = self.series.setdefault(name, {}).setdefault(rank, [])
+        points.append((float(step), value))
+        if len(points) > self.max_points:
+            points[:] = _thin(points, self.max_points // 2)
 
     def __bool__(self) -> bool:
         return bool(self.series)

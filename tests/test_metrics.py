@@ -151,3 +151,19 @@ def cost_of_log_metrics(calls):
 def test_log_metrics_is_cheap():
     per_call = max(launch(cost_of_log_metrics, (2000,)))
     assert per_call < 200e-6, per_call  # a loose bound for CI; see the note in docs/metrics.md
+
+
+def test_each_ranks_throughput_is_charted_from_its_steps_and_times():
+    events = [
+        {
+            "kind": "metrics",
+            "rank": rank,
+            "step": step,
+            "values": {"loss": 1.0},
+            "time": step * (0.1 if rank == 0 else 0.2),
+        }  # rank 1 is twice as slow
+        for step in range(40)
+        for rank in (0, 1)
+    ]
+    rates = series_from(events).series["steps/s"]
+    assert {round(v) for _, v in rates[0]} == {10} and {round(v) for _, v in rates[1]} == {5}
