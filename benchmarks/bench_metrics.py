@@ -11,7 +11,8 @@ Rows:
 - in a real kernel with the live view: 2 ranks each log ``--rate`` metric events a second (one
   value each) for ``--seconds``; messages the kernel sent the browser per second (iopub, as a
   frontend receives them: mean, and the busiest second), the kernel's memory (RSS) before, at
-  its peak and after, and whether every event reached ``metrics.jsonl``.
+  its peak and after (torch, ipywidgets and nblaunch imported before), and whether every event
+  reached ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ def in_a_kernel(rate: float, seconds: float) -> dict[str, float]:
     client.start_channels()
     try:
         client.wait_for_ready(timeout=120)
-        reply = client.execute_interactive("import os; print(os.getpid())", timeout=60)
+        # What a notebook has imported before it launches, so the memory measured is the run's.
+        reply = client.execute_interactive(
+            "import torch, ipywidgets, nblaunch", timeout=120, output_hook=lambda msg: None
+        )
         assert reply["content"]["status"] == "ok"
         kernel = psutil.Process(manager.provisioner.pid)
         before = kernel.memory_info().rss

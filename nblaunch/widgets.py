@@ -169,6 +169,21 @@ class NullView:
         pass
 
 
+# What tqdm draws: "desc:  42%|████▏     | 42/100 [00:01<00:02, 30.12it/s]".
+_TQDM = re.compile(
+    r"(?P<pct>\d+)%\|.*\|\s*(?P<n>\d+)/(?P<total>\d+)\s*"
+    r"\[(?P<elapsed>[\d:]+)<(?P<eta>[\d:?]+)(?:,\s*(?P<rate>[^\]]*))?\]"
+)
+
+
+def _bar_html(fraction: float, text: str) -> str:
+    return (
+        f"<span class='nbl-meter'><span class='nbl-pbar'><span style='width:"
+        f"{min(1.0, max(0.0, fraction)) * 100:.0f}%'></span></span> {fraction:.0%} · "
+        f"{_esc(text)}</span>"
+    )
+
+
 def _summary_text(ok: bool, elapsed_s: float, ranks: dict[int, str]) -> str:
     lines = [f"nblaunch: {'finished' if ok else 'failed'} in {elapsed_s:.2f} s"]
     lines += [f"  rank {rank}: {outcome}" for rank, outcome in sorted(ranks.items())]
@@ -217,6 +232,9 @@ CSS = """<style>
   overflow:hidden;vertical-align:middle}
 .nbl-bar span{display:block;height:100%;background:#38bdf8}
 .nbl-meter{font-size:11px;color:#64748b;white-space:nowrap}
+.nbl-pbar{display:inline-block;width:140px;height:8px;background:#e2e8f0;border-radius:4px;
+  overflow:hidden;vertical-align:middle}
+.nbl-pbar span{display:block;height:100%;background:#2563eb}
 .nbl-log{max-height:24em;overflow-y:auto;display:flex;flex-direction:column-reverse;
   border:1px solid #e2e8f0;border-radius:4px;background:#fcfcfd}
 .nbl-log pre{flex:none;overflow:visible;margin:0;padding:6px 8px;font-size:12px;
@@ -692,8 +710,12 @@ class LaunchView:
             )
             if device:
                 row += f"<span class='nbl-dim'>{_esc(device)}</span>"
-            preview = _ansi_strip(last[:500])
-            row += f"<span class='nbl-last' title='{preview}'>{preview}</span>"
+            bar = self._progress_bar(rank)
+            if bar is not None:  # a tqdm bar: drawn as a bar, with its count, rate and ETA
+                row += _bar_html(*bar)
+            else:
+                preview = _ansi_strip(last[:500])
+                row += f"<span class='nbl-last' title='{preview}'>{preview}</span>"
             beat = self.heartbeats.get(rank)
             if beat is not None:
                 wait, busy, collective = beat
@@ -705,7 +727,31 @@ class LaunchView:
                     f"{1 - share:.0%}{inside}</span>"
                 )
             rows.append(row + "</div>")
+        bars = [bar for rank in sorted(self.states) if (bar := self._progress_bar(rank))]
+        if len(bars) > 1:  # all ranks: as far as the slowest
+            slowest = min(bars, key=lambda bar: bar[0])
+            rows.insert(
+                0,
+                "<div class='nbl-rank'><span class='nbl-badge' style='background:#f1f5f9;"
+                f"color:#334155'>all ranks</span>{_bar_html(*slowest)}</div>",
+            )
         return "<div class='nbl-ranks'>" + "".join(rows) + "</div>"
+
+    def _progress_bar(self, rank: int) -> tuple[float, str] | None:
+        """(fraction, text) of the tqdm bar the rank is drawing now, if it draws one."""
+        for fd in (2, 1):  # tqdm writes to stderr by default
+            line = self._open.get((rank, fd))
+            if line is not None:
+                match = _TQDM.search(_ansi_plain(line[_TEXT]))
+                if match:
+                    done, total = int(match["n"]), int(match["total"])
+                    text = f"{done}/{total}"
+                    if match["rate"]:
+                        text += f" · {match['rate'].strip()}"
+                    if match["eta"] and "?" not in match["eta"]:
+                        text += f" · ETA {match['eta']}"
+                    return (done / total if total else 0.0), text
+        return None
 
     def _panel_html(self) -> str:
         errors = [d for d in self.diagnoses if d["severity"] == "error"]

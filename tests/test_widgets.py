@@ -523,3 +523,35 @@ def test_the_root_cause_that_comes_after_the_end_reaches_the_panel_and_summary(m
     assert "error:" not in summary["text/plain"] and "update" not in first
     assert second == {**first, "update": True} and first["display_id"]
     assert "error: rank 1 of 2 failed: rank 1 raised ValueError: boom" in updated["text/plain"]
+
+
+def test_tqdm_bars_become_progress_bars_per_rank_and_for_all_ranks():
+    view = LaunchView()
+    view.handle(
+        {
+            "kind": "run_info",
+            "world_size": 2,
+            "device_kind": "CPU",
+            "start_method": "forkserver",
+            "debug": False,
+            "run_dir": "",
+            "warnings": [],
+            "notes": [],
+            "started_at": time.time(),
+        }
+    )
+    for rank, done in ((0, 42), (1, 10)):
+        view.handle(
+            {
+                "kind": "stream",
+                "rank": rank,
+                "fd": 2,
+                "carriage": True,
+                "text": f"train: {done}%|████      | {done}/100 [00:01<00:02, 30.12it/s]",
+            }
+        )
+    html = view._ranks_html()
+    assert "width:42%" in html and "42/100 · 30.12it/s · ETA 00:02" in html
+    assert "all ranks" in html and html.index("all ranks") < html.index("rank 0 ·")
+    assert html.count("nbl-pbar'") == 3  # rank 0, rank 1, and all ranks (the slowest: 10%)
+    assert "10% · 10/100" in html.split("rank 0 ·")[0]
