@@ -3,6 +3,8 @@
 - Transformers: ``Trainer(..., callbacks=[TrainerMetrics()])``: what the Trainer logs (loss,
   learning rate, grad norm, eval metrics) goes to :func:`nblaunch.log_metrics` at its global step.
 - Lightning: ``Trainer(..., logger=LightningMetrics())``: what ``self.log`` records, likewise.
+- Accelerate: ``Accelerator(log_with=[AccelerateMetrics()])``: what ``accelerator.log`` records
+  (Accelerate calls it on the main process only, so rank 0's values).
 
 Each rank sends its own values (these hooks run on every rank), so a straggler or a diverging
 rank shows as its own line. The classes are made on first use, so importing this module needs
@@ -15,7 +17,7 @@ from typing import Any
 
 from nblaunch.metrics import log_metrics
 
-_CLASSES = ("LightningMetrics", "TrainerMetrics")
+_CLASSES = ("AccelerateMetrics", "LightningMetrics", "TrainerMetrics")
 _made: dict[str, type] = {}
 
 
@@ -23,7 +25,12 @@ def __getattr__(name: str) -> type:
     if name not in _CLASSES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if name not in _made:
-        _made[name] = _trainer_metrics() if name == "TrainerMetrics" else _lightning_metrics()
+        makers = {
+            "AccelerateMetrics": _accelerate_metrics,
+            "LightningMetrics": _lightning_metrics,
+            "TrainerMetrics": _trainer_metrics,
+        }
+        _made[name] = makers[name]()
     return _made[name]
 
 
@@ -61,3 +68,26 @@ def _lightning_metrics() -> type:
             pass  # hyperparameters are not a curve
 
     return LightningMetrics
+
+
+def _accelerate_metrics() -> type:
+    from accelerate.tracking import GeneralTracker
+
+    class AccelerateMetrics(GeneralTracker):
+        """An Accelerate tracker: ``accelerator.log(values, step=...)`` becomes ``log_metrics``."""
+
+        name = "nblaunch"
+        requires_logging_directory = False
+        main_process_only = False
+
+        @property
+        def tracker(self) -> None:
+            return None
+
+        def store_init_configuration(self, values: dict[str, Any]) -> None:
+            pass  # hyperparameters are not a curve
+
+        def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+            log_metrics(values, step=step)
+
+    return AccelerateMetrics

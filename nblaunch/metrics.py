@@ -33,6 +33,8 @@ THROUGHPUT_WINDOW_S = 0.5  # a throughput point covers at least this long
 # Points kept per (metric, rank) in the view; longer series are thinned, keeping both ends.
 MAX_POINTS = 400
 CHART_WIDTH, CHART_HEIGHT = 260, 120
+# Past this many ranks a chart shows the mean with a min-max band instead of a line per rank.
+MAX_RANK_LINES = 4
 RANK_COLORS = ("#2563eb", "#c2410c", "#15803d", "#7c3aed", "#0e7490", "#be185d", "#4d7c0f")
 
 _steps: dict[int, int] = {}  # rank -> next automatic step, inside a rank
@@ -176,9 +178,12 @@ def render_svg(series: MetricSeries, width: int = CHART_WIDTH, height: int = CHA
         _chart(name, by_rank, width, height) for name, by_rank in sorted(series.series.items())
     ]
     ranks = sorted({rank for by_rank in series.series.values() for rank in by_rank})
-    legend = " ".join(
-        f"<span style='color:{_color(rank)}'>&#9632; rank {rank}</span>" for rank in ranks
-    )
+    if len(ranks) > MAX_RANK_LINES:
+        legend = f"mean of {len(ranks)} ranks, band from the lowest to the highest rank"
+    else:
+        legend = " ".join(
+            f"<span style='color:{_color(rank)}'>&#9632; rank {rank}</span>" for rank in ranks
+        )
     return (
         "<div class='nbl-charts' style='display:flex;flex-wrap:wrap;gap:8px;margin:4px 0'>"
         + "".join(charts)
@@ -219,7 +224,15 @@ def _chart(name: str, by_rank: Mapping[int, list[tuple[float, float]]], width: i
             f"<text x='{width - pad}' y='{height - 3}' font-size='9' text-anchor='end' "
             f"font-family='sans-serif' fill='#64748b'>step {_short(x1)}</text>"
         )
-        for rank, points in sorted(by_rank.items()):
+        if len(by_rank) > MAX_RANK_LINES:
+            low, mean, high = _band(by_rank)
+            outline = [scale(x, y) for x, y in low] + [scale(x, y) for x, y in reversed(high)]
+            parts.append(f"<polygon fill='#bfdbfe' stroke='none' points='{' '.join(outline)}'/>")
+            drawn = " ".join(scale(x, y) for x, y in mean)
+            parts.append(
+                f"<polyline fill='none' stroke='#1d4ed8' stroke-width='1.5' points='{drawn}'/>"
+            )
+        for rank, points in sorted(by_rank.items()) if len(by_rank) <= MAX_RANK_LINES else ():
             drawn = " ".join(scale(x, y) for x, y in points if math.isfinite(y))
             if drawn:
                 parts.append(
@@ -228,6 +241,20 @@ def _chart(name: str, by_rank: Mapping[int, list[tuple[float, float]]], width: i
                 )
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _band(by_rank: Mapping[int, list[tuple[float, float]]]) -> tuple[list, list, list]:
+    """Per step seen by any rank: the lowest, mean and highest value over the ranks."""
+    at: dict[float, list[float]] = {}
+    for points in by_rank.values():
+        for x, y in points:
+            if math.isfinite(y):
+                at.setdefault(x, []).append(y)
+    steps = sorted(at)
+    low = [(x, min(at[x])) for x in steps]
+    mean = [(x, sum(at[x]) / len(at[x])) for x in steps]
+    high = [(x, max(at[x])) for x in steps]
+    return low, mean, high
 
 
 def _short(value: float) -> str:

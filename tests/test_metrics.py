@@ -167,3 +167,38 @@ def test_each_ranks_throughput_is_charted_from_its_steps_and_times():
     ]
     rates = series_from(events).series["steps/s"]
     assert {round(v) for _, v in rates[0]} == {10} and {round(v) for _, v in rates[1]} == {5}
+
+
+def log_with_accelerate():
+    from accelerate import Accelerator
+
+    from nblaunch.integrations import AccelerateMetrics
+
+    accelerator = Accelerator(cpu=True, log_with=[AccelerateMetrics()])
+    accelerator.init_trackers("run")
+    for step in range(3):
+        accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
+    accelerator.end_training()
+
+
+def test_accelerates_log_reaches_the_charts(tmp_path):
+    pytest.importorskip("accelerate")
+    launch(log_with_accelerate, run_dir=tmp_path)
+    rows = load_metrics(tmp_path)
+    table = rows if isinstance(rows, list) else rows.to_dict("records")
+    assert [(r["rank"], r["step"], r["value"]) for r in table] == [
+        (0, 0, 1.0),
+        (0, 1, 0.5),
+        (0, 2, 1 / 3),
+    ]  # Accelerate logs on the main process only
+
+
+def test_past_four_ranks_a_chart_shows_the_mean_and_a_band():
+    events = [
+        {"kind": "metrics", "rank": rank, "step": step, "values": {"loss": step + rank}}
+        for step in range(5)
+        for rank in range(8)
+    ]
+    svg = render_svg(series_from(events))
+    assert svg.count("<polyline") == 1 and svg.count("<polygon") == 1
+    assert "mean of 8 ranks" in svg
