@@ -6,7 +6,8 @@
   line per rank, step and name), and the view draws one small chart per metric with one line per
   rank (:func:`render_svg`). The same picture goes into the static summary, as SVG inside the
   HTML, so a notebook saved without widget state (GitHub, nbviewer, VS Code) still shows it.
-- Later, :func:`load_metrics` reads a run's ``metrics.jsonl`` back as a table.
+- Later, :func:`load_metrics` reads a run's ``metrics.jsonl`` back as a table. When TensorBoard
+  is installed, the run directory also gets TensorBoard event files when the run ends.
 
 Charts are plain SVG made here: no chart library, no front-end extension, so they render the
 same in JupyterLab, Notebook 7 and VS Code, and in the saved file.
@@ -109,9 +110,30 @@ def metric_lines(event: Mapping[str, Any]) -> str:
     )
 
 
-def load_metrics(run_dir: str | Path) -> Any:
-    """A run's metrics as a table: a pandas ``DataFrame`` when pandas is installed, else a list
-    of dicts, with columns ``rank``, ``step``, ``time``, ``name`` and ``value``.
+def write_tensorboard_files(run_dir: Path) -> None:
+    """TensorBoard event files of a finished run's ``metrics.jsonl``, one TensorBoard run per
+    rank (``<run dir>/tensorboard/rank<N>``), when TensorBoard is installed; else nothing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return
+    writers: dict[int, Any] = {}
+    try:
+        for row in load_metrics(run_dir, table=False):
+            writer = writers.get(row["rank"])
+            if writer is None:
+                log_dir = run_dir / "tensorboard" / f"rank{row['rank']}"
+                writer = writers[row["rank"]] = SummaryWriter(log_dir=str(log_dir))
+            writer.add_scalar(row["name"], row["value"], row["step"], walltime=row["time"])
+    finally:
+        for writer in writers.values():
+            writer.close()
+
+
+def load_metrics(run_dir: str | Path, table: bool = True) -> Any:
+    """A run's metrics as a table: a pandas ``DataFrame`` when pandas is installed (and
+    ``table``), else a list of dicts, with columns ``rank``, ``step``, ``time``, ``name`` and
+    ``value``.
 
     Raises
     ------
@@ -126,6 +148,8 @@ def load_metrics(run_dir: str | Path) -> Any:
                 row = json.loads(line)
                 row["value"] = float(row["value"])  # "nan" and "inf" were written as text
                 rows.append(row)
+    if not table:
+        return rows
     try:
         import pandas
     except ImportError:

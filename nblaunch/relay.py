@@ -34,7 +34,7 @@ from typing import Any
 
 from nblaunch.events import Event, EventSink, Log, Stream
 from nblaunch.logging import InOrderLog
-from nblaunch.metrics import METRICS_FILE, metric_lines
+from nblaunch.metrics import METRICS_FILE, metric_lines, write_tensorboard_files
 from nblaunch.supervisor import RankProcess
 
 # A line longer than this is passed on in pieces rather than held in memory until its end.
@@ -174,6 +174,9 @@ class Relay:
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
+            # Written once the run is over: protobuf per value would slow the relay tenfold.
+            assert self.run_dir is not None
+            write_tensorboard_files(self.run_dir)
 
     # --- internals -------------------------------------------------------------------------------
 

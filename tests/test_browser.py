@@ -49,15 +49,16 @@ def _quiet_settings(settings: Path) -> None:
 
 @pytest.fixture
 def jupyterlab(tmp_path):
-    """JupyterLab serving a scratch copy of the notebooks on 127.0.0.1; yields its base URL."""
-    import importlib.util
-
+    """JupyterLab serving a scratch copy of the quick-start notebook; yields its URL."""
     work = tmp_path / "work"
     work.mkdir()
-    notebook = work / "quickstart.ipynb"
-    shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", notebook)
-    if importlib.util.find_spec("nblaunch.magics") is None:  # arrives with its own issue
-        notebook.write_text(notebook.read_text().replace("%load_ext nblaunch\\n", ""))
+    shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", work / "quickstart.ipynb")
+    yield from _serve(tmp_path, "quickstart.ipynb")
+
+
+def _serve(tmp_path: Path, name: str):
+    """JupyterLab on 127.0.0.1 serving ``tmp_path/work``; yields the URL of notebook ``name``."""
+    work = tmp_path / "work"
     _quiet_settings(tmp_path / "settings")
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
@@ -94,7 +95,7 @@ def jupyterlab(tmp_path):
                         "JupyterLab did not start:\n" + (tmp_path / "jupyterlab.log").read_text()
                     ) from None
                 time.sleep(0.5)
-        yield f"{base}/lab/tree/quickstart.ipynb?token={token}"
+        yield f"{base}/lab/tree/{name}?token={token}"
     finally:
         server.terminate()
         try:
@@ -141,3 +142,71 @@ def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab):
         finally:
             browser.close()
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+CHART_CELLS = [
+    "import nblaunch\n"
+    "def train(steps):\n"
+    "    import math, time\n"
+    "    for step in range(steps):\n"
+    "        loss = math.exp(-step / 20) + 0.05 * nblaunch.rank()\n"
+    "        nblaunch.log_metrics({'loss': loss, 'lr': 0.1 * 0.97 ** step}, step=step)\n"
+    "        time.sleep(0.1)\n"
+    "    return step",
+    "nblaunch.notebook_launcher(train, (150,), num_processes=2, device_type='cpu')",
+]
+
+
+@pytest.fixture
+def chart_notebook(tmp_path):
+    import nbformat
+
+    work = tmp_path / "work"
+    work.mkdir()
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in CHART_CELLS]
+    # A kernel to start without asking, as a saved notebook has.
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    nbformat.write(notebook, work / "charts.ipynb")
+    yield from _serve(tmp_path, "charts.ipynb")
+
+
+def test_the_loss_chart_moves_while_ranks_train(chart_notebook):
+    from playwright.sync_api import expect, sync_playwright
+
+    shots = [ROOT / "docs" / f"metrics-chart-{n}.png" for n in (1, 2)]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 1400})
+            page.goto(chart_notebook, timeout=90_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+            page.wait_for_function(
+                "() => { const p = window.jupyterapp?.shell?.currentWidget;"
+                " return p?.sessionContext?.session?.kernel?.status === 'idle'; }",
+                timeout=90_000,
+            )
+            # Not awaited: the command's promise settles only when every cell has run.
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            charts = page.locator(".nbl-root .nbl-charts")
+            expect(charts).to_be_visible(timeout=120_000)
+            expect(charts.locator("polyline").first).to_be_attached(timeout=30_000)
+            expect(page.locator(".nbl-root .nbl-ranks")).to_contain_text("RUNNING")
+
+            def points() -> int:  # points on the first rank's loss line now
+                return len(charts.locator("polyline").first.get_attribute("points").split())
+
+            first = points()
+            view = page.locator(".jp-Cell", has=charts).locator(".jp-Cell-outputWrapper")
+            view.screenshot(path=str(shots[0]))
+            page.wait_for_timeout(3000)
+            second = points()
+            view.screenshot(path=str(shots[1]))
+            assert second > first  # the line grew while the ranks trained
+            assert charts.locator("svg").count() >= 2  # loss, lr (and steps/s)
+            assert charts.locator("polyline").count() >= 4  # a line per rank in each
+        finally:
+            browser.close()
+    assert all(shot.stat().st_size > 5_000 for shot in shots)

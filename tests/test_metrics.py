@@ -202,3 +202,15 @@ def test_past_four_ranks_a_chart_shows_the_mean_and_a_band():
     svg = render_svg(series_from(events))
     assert svg.count("<polyline") == 1 and svg.count("<polygon") == 1
     assert "mean of 8 ranks" in svg
+
+
+def test_with_tensorboard_installed_each_rank_gets_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    launch(train_and_log, (5,), run_dir=tmp_path)
+    for rank in (0, 1):
+        events = EventAccumulator(str(tmp_path / "tensorboard" / f"rank{rank}"))
+        events.Reload()
+        losses = [(s.step, round(s.value, 4)) for s in events.Scalars("loss")]
+        assert losses == [(step, round(1 / (step + 1) + rank, 4)) for step in range(5)]
