@@ -75,6 +75,7 @@ class Relay:
         self._shown: set[tuple[int, int]] = set()  # progress lines already sent as they are
         self._after_carriage: set[tuple[int, int]] = set()  # ended on a "\\r": next text is a bar
         self._drawing: set[tuple[int, int]] = set()  # (rank, fd) whose last line sent was a state
+        self._ended_early: set[tuple[int, int]] = set()  # bars ended by other output (see there)
         self._log_midline: dict[int, int] = {}  # rank -> source whose last log write ended mid-line
         self._logs: dict[int, Any] = {}
         self._metrics_file: Any = None  # <run dir>/metrics.jsonl, opened at the first metric
@@ -278,6 +279,13 @@ class Relay:
         now = time.monotonic()
         self.last_output[rank] = time.time()
         self._end_progress(rank, but=fd)  # output on the other stream ends its progress line
+        if key in self._ended_early:
+            self._ended_early.discard(key)
+            if data[:1] == b"\n":
+                self._log_bytes(rank, fd, data[:1])
+                data = data[1:]
+                if not data:
+                    return
         drawn = self._progress.pop(key, None)
         if key in self._after_carriage:  # what comes next continues after a "\r"
             self._after_carriage.discard(key)
@@ -381,6 +389,9 @@ class Relay:
         for fd in (1, 2):
             if fd != but and ((rank, fd) in self._progress or (rank, fd) in self._drawing):
                 self._end_line(rank, fd)
+                # The bar's own "\n" may still be on its way (pipes and the event channel are
+                # read in no set order): it ends the line shown already, not a blank one.
+                self._ended_early.add((rank, fd))
 
     def _emit_lines(self, rank: int, fd: int, texts: list[str], *, carriage: bool) -> None:
         if carriage:

@@ -187,6 +187,28 @@ def test_a_log_record_ends_the_bar(pipes):
     assert b"\rstep 3/9\nINFO:train: saved\n" in (tmp_path / "rank1.log").read_bytes()
 
 
+def test_a_bars_own_newline_read_after_the_log_record_adds_no_blank_line(pipes):
+    relay, recorder, writers, _ = pipes
+    write(writers, 1, b"\revaluating 100%", fd=1)
+    pump(relay)
+    record = {
+        "kind": "log",
+        "rank": 1,
+        "level": "INFO",
+        "name": "train",
+        "message": "done",
+        "in_order": False,
+        "seq": 0,
+        "time": time.time(),
+    }
+    writers[1][2].send(record)  # print() then log.info(): the record is read first here
+    pump(relay)
+    write(writers, 1, b"\nnext\n", fd=1)
+    pump(relay)
+    finished = [text for text, carriage in recorder.lines(1) if not carriage]
+    assert finished == ["evaluating 100%", "next"], finished  # no blank line between
+
+
 def test_text_after_a_drawn_bar_on_the_same_stream_is_a_line_of_its_own(pipes):
     relay, recorder, writers, tmp_path = pipes
     write(writers, 0, b"\r  0%| 0/6", fd=2)
