@@ -105,6 +105,21 @@ def _serve(tmp_path: Path, name: str):
             server.wait(5)
 
 
+def _run_all(browser, url: str, height: int):
+    """Open the notebook at ``url``, wait for its kernel, run every cell; return the page."""
+    page = browser.new_page(viewport={"width": 1100, "height": height})
+    page.goto(url, timeout=90_000)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    page.wait_for_function(
+        "() => { const p = window.jupyterapp?.shell?.currentWidget;"
+        " return p?.sessionContext?.session?.kernel?.status === 'idle'; }",
+        timeout=90_000,
+    )
+    # Not awaited: the command's promise settles only when every cell has run.
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    return page
+
+
 def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab):
     from playwright.sync_api import expect, sync_playwright
 
@@ -113,16 +128,7 @@ def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab):
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
         )
         try:
-            page = browser.new_page(viewport={"width": 1100, "height": 1600})
-            page.goto(jupyterlab, timeout=90_000)
-            # The notebook is open and its kernel is idle.
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            page.wait_for_function(
-                "() => { const p = window.jupyterapp?.shell?.currentWidget;"
-                " return p?.sessionContext?.session?.kernel?.status === 'idle'; }",
-                timeout=90_000,
-            )
-            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            page = _run_all(browser, jupyterlab, height=1600)
             view = page.locator(".nbl-root")
             expect(view).to_be_visible(timeout=120_000)
             ranks = view.locator(".nbl-ranks")
@@ -180,16 +186,7 @@ def test_the_loss_chart_moves_while_ranks_train(chart_notebook):
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
         )
         try:
-            page = browser.new_page(viewport={"width": 1100, "height": 1400})
-            page.goto(chart_notebook, timeout=90_000)
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            page.wait_for_function(
-                "() => { const p = window.jupyterapp?.shell?.currentWidget;"
-                " return p?.sessionContext?.session?.kernel?.status === 'idle'; }",
-                timeout=90_000,
-            )
-            # Not awaited: the command's promise settles only when every cell has run.
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            page = _run_all(browser, chart_notebook, height=1400)
             charts = page.locator(".nbl-root .nbl-charts")
             expect(charts).to_be_visible(timeout=120_000)
             expect(charts.locator("polyline").first).to_be_attached(timeout=30_000)

@@ -166,21 +166,25 @@ def test_output_on_the_other_stream_ends_the_bar_and_the_log_breaks_the_line(pip
     assert b"\r  0%| 0/4\n[transformers] next\n\r 50%| 2/4" in log
 
 
-def test_a_log_record_ends_the_bar(pipes):
-    relay, recorder, writers, tmp_path = pipes
-    write(writers, 1, b"\rstep 3/9", fd=2)
-    pump(relay)
-    record = {
+def log_record(message: str) -> dict:
+    """An INFO record of rank 1, as its event channel carries it."""
+    return {
         "kind": "log",
         "rank": 1,
         "level": "INFO",
         "name": "train",
-        "message": "saved",
+        "message": message,
         "in_order": False,
         "seq": 0,
         "time": time.time(),
     }
-    writers[1][2].send(record)
+
+
+def test_a_log_record_ends_the_bar(pipes):
+    relay, recorder, writers, tmp_path = pipes
+    write(writers, 1, b"\rstep 3/9", fd=2)
+    pump(relay)
+    writers[1][2].send(log_record("saved"))
     pump(relay)
     assert recorder.lines(1)[-1] == ("step 3/9", False)
     relay.drain_output(timeout=0.2)
@@ -191,17 +195,7 @@ def test_a_bars_own_newline_read_after_the_log_record_adds_no_blank_line(pipes):
     relay, recorder, writers, _ = pipes
     write(writers, 1, b"\revaluating 100%", fd=1)
     pump(relay)
-    record = {
-        "kind": "log",
-        "rank": 1,
-        "level": "INFO",
-        "name": "train",
-        "message": "done",
-        "in_order": False,
-        "seq": 0,
-        "time": time.time(),
-    }
-    writers[1][2].send(record)  # print() then log.info(): the record is read first here
+    writers[1][2].send(log_record("done"))  # print() then log.info(): read first here
     pump(relay)
     write(writers, 1, b"\nnext\n", fd=1)
     pump(relay)
