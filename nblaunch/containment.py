@@ -89,15 +89,13 @@ def _descendant_pids(pid: int) -> list[int] | None:
     return found
 
 
-def marked(marker: str, exclude: frozenset[int] = frozenset()) -> list[psutil.Process]:
+def marked(marker: str) -> list[psutil.Process]:
     """Processes of this user whose environment holds ``TREE_ENV=marker``."""
     found = []
     me = os.getuid()
     for process in psutil.process_iter(["uids"]):
         try:
-            if process.pid in exclude or process.info["uids"] is None:
-                continue
-            if process.info["uids"].real != me:
+            if process.info["uids"] is None or process.info["uids"].real != me:
                 continue
             if process.environ().get(TREE_ENV) == marker and _running(process):
                 found.append(process)

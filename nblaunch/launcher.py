@@ -667,7 +667,6 @@ class _Outcome:
     """What the run collected; the launcher turns it into a return value or an exception."""
 
     results: dict[int, bytes] = field(default_factory=dict)
-    exited: set[int] = field(default_factory=set)  # ranks whose task ended with sys.exit(0)
     failures: list[dict[str, Any]] = field(default_factory=list)  # Failure events and deaths
     finished: set[int] = field(default_factory=set)
     root: dict[str, Any] | None = None
@@ -847,8 +846,6 @@ class Run:
             self.set_state(rank, RunState.RUNNING)
         elif kind == "result":
             self.outcome.results[rank] = event["value_bytes"]
-            if event.get("called_exit"):
-                self.outcome.exited.add(rank)
         elif kind == "failure":
             event = dict(event)
             event["secondary"] = errors.is_secondary_failure(event["exc_type"], event["message"])
@@ -1073,8 +1070,6 @@ class Run:
         )
         if "exception" in root:  # a monitor's diagnosis (e.g. a hang) brings its own exception
             exc = root["exception"]
-            if root["kind"] == "hang" and rank in self.outcome.exited:
-                exc = _exit_while_others_wait(exc, rank, n)
             self.publish(
                 {
                     "kind": "diagnosis",
@@ -1212,21 +1207,6 @@ def _exit_failure(exit_: SystemExit, rank: int, world_size: int) -> RankFailedEr
         world_size=world_size,
         exitcode=code if isinstance(code, int) else 1,  # Python exits 1 for a message
     )
-
-
-def _exit_while_others_wait(hang: BaseException, rank: int, world_size: int) -> RankFailedError:
-    """A rank that ended with ``sys.exit(0)`` while its peers wait for it: the hang report,
-    told as that rank's failure."""
-    message = (
-        str(hang)
-        .replace(
-            f"rank {rank} of {world_size} returned while",
-            f"rank {rank} of {world_size} called sys.exit(0) while",
-            1,
-        )
-        .replace(f"rank {rank} returned after", f"rank {rank} exited after", 1)
-    )
-    return RankFailedError(message, rank=rank, world_size=world_size, exitcode=0)
 
 
 def _is_verdict(failure: dict[str, Any]) -> bool:

@@ -41,6 +41,7 @@ import datetime
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -55,7 +56,7 @@ from nblaunch.errors import (
 )
 from nblaunch.events import Event, EventSink, RunState
 from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S, LaunchPlan, Run
-from nblaunch.relay import Relay, log_line, open_log
+from nblaunch.relay import Relay, log_line, open_private
 from nblaunch.supervisor import Supervisor, warm_up
 from nblaunch.trust import SECRET_ENV, RunSecret, SigningStore, remove_secret_file
 from nblaunch.worker import TASK
@@ -754,8 +755,6 @@ class Head:
 
     def _warn(self, title: str, body: str) -> None:
         """Tampering seen: a warning in the view, and on stderr (the log) whatever the view."""
-        import sys
-
         print(f"nblaunch: warning: {title}. {body}", file=sys.stderr)
         self.info(title, body, severity="warning")
 
@@ -865,7 +864,7 @@ class NodesRelay(Relay):
 
     def _remote_log(self, rank: int, text: str) -> None:
         if self.run_dir is not None and rank not in self._logs:
-            self._logs[rank] = open_log(self.run_dir, rank)
+            self._logs[rank] = open_private(self.run_dir / f"rank{rank}.log", "ab")
         self._log_text(rank, text)
 
     def drain_output(self, timeout: float = 2.0) -> None:

@@ -43,7 +43,6 @@ from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S
 INTERRUPT_WAIT_S = 3.0
 # A task whose results all arrived: how long to wait for each rank's closing "finished" event.
 FINISH_WAIT_S = 2.0
-# A quick, silent, successful task shows no view; a longer one gets the live view after this.
 # How long starting the ranks (imports, device, process group) may take.
 START_TIMEOUT_S = 120.0
 

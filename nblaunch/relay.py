@@ -99,7 +99,7 @@ class Relay:
         self.in_order.add_rank(rank.rank)
         self.tails.setdefault(rank.rank, collections.deque(maxlen=TAIL_LINES))
         if self.run_dir is not None and rank.rank not in self._logs:
-            self._logs[rank.rank] = open_log(self.run_dir, rank.rank)
+            self._logs[rank.rank] = open_private(self.run_dir / f"rank{rank.rank}.log", "ab")
 
     def remove(self, rank: RankProcess) -> None:
         """Stop reading a rank process's pipes (it was replaced by a restarted one)."""
@@ -415,9 +415,7 @@ class Relay:
         if self.run_dir is None:
             return
         if self._metrics_file is None:
-            path = self.run_dir / METRICS_FILE
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-            self._metrics_file = os.fdopen(os.open(path, flags, 0o600), "a")
+            self._metrics_file = open_private(self.run_dir / METRICS_FILE, "a")
         self._metrics_file.write(metric_lines(event))
 
     def _log_text(self, rank: int, text: str) -> None:
@@ -447,10 +445,10 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
-def open_log(run_dir: Path, rank: int) -> Any:
-    """``rank<N>.log`` for appending, readable by this user only: ranks print tokens too."""
-    path = run_dir / f"rank{rank}.log"
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+def open_private(path: Path, mode: str) -> Any:
+    """A run file (``rank<N>.log``, ``metrics.jsonl``) opened for appending in ``mode``,
+    readable by this user only: ranks print tokens too."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), mode)
 
 
 def log_line(event: Log) -> str:

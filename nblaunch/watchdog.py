@@ -39,7 +39,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from nblaunch import process_groups, worker
-from nblaunch.errors import DistributedHangError
+from nblaunch.errors import DistributedHangError, RankFailedError
 from nblaunch.events import Diagnosis, Heartbeat, InFlightInfo, RunState
 from nblaunch.worker import RankContext, add_task_hook, emit
 
@@ -543,6 +543,7 @@ class HangMonitor:
         self.returned: dict[int, float] = {}  # rank -> when its Result arrived
         self.final_seq: dict[int, int | None] = {}
         self.final_beat: dict[int, _Beat | None] = {}  # each returned rank's last heartbeat
+        self.exited: set[int] = set()  # returned ranks whose task ended with sys.exit(0)
         self.stalled: set[int] = set()
         self.straggler: tuple[int, float] | None = None
         self._straggler_checked = 0.0
@@ -562,6 +563,8 @@ class HangMonitor:
         elif kind == "result":
             rank = event["rank"]
             self.returned[rank] = time.monotonic()
+            if event.get("called_exit"):
+                self.exited.add(rank)
             beat = self.beats.get(rank)
             self.final_seq[rank] = beat.event["seq"] if beat else None
             self.final_beat[rank] = beat
@@ -668,15 +671,18 @@ class HangMonitor:
         first = returned[0]
         n = self.world_size
         done_text = ", ".join(
-            f"rank {r} returned after {self._count(self.final_seq.get(r))}" for r in returned
+            f"rank {r} {'exited' if r in self.exited else 'returned'} after "
+            f"{self._count(self.final_seq.get(r))}"
+            for r in returned
         )
         wait_text = "; ".join(
             f"rank {r} waits {self.beats[r].position()} "
             f"for {now - (self._still_since(run, r, now) or now):.1f} s"
             for r in waiting
         )
+        left = "called sys.exit(0)" if first in self.exited else "returned"
         headline = (
-            f"rank {first} of {n} returned while {_rank_words(waiting)} "
+            f"rank {first} of {n} {left} while {_rank_words(waiting)} "
             f"{'waits' if len(waiting) == 1 else 'wait'} in a collective it never called"
         )
         message = (
@@ -692,7 +698,7 @@ class HangMonitor:
                 "batches (DistributedSampler(drop_last=True)) or wrap the loop in DDP's "
                 "`with model.join():`."
             )
-        return self._root(run, first, headline, message, now)
+        return self._root(run, first, headline, message, now, exited=first in self.exited)
 
     def _no_progress(self, run: Run, now: float) -> dict[str, Any] | None:
         """Nothing moved for ``hang_timeout`` seconds and some rank waits in a collective."""
@@ -791,7 +797,11 @@ class HangMonitor:
             return "its last collective"
         return f"{seq} collective{'s' if seq != 1 else ''}"
 
-    def _root(self, run: Run, rank: int, headline: str, message: str, now: float) -> dict[str, Any]:
+    def _root(
+        self, run: Run, rank: int, headline: str, message: str, now: float, exited: bool = False
+    ) -> dict[str, Any]:
+        """The hang as the run's root cause. ``exited``: ``rank`` left with ``sys.exit(0)``,
+        which makes it that rank's failure (``RankFailedError``), never a ``SystemExit``."""
         stacks = {r: beat.event["stack"] for r, beat in sorted(self.beats.items())}
         blocks = []
         for r in self._running(run):
@@ -802,14 +812,19 @@ class HangMonitor:
         if blocks:
             full += "\n\nStacks (most recent call last):\n" + "\n\n".join(blocks)
         headline = cell_names(headline)
+        if exited:
+            exception: Exception = RankFailedError(
+                cell_names(full), rank=rank, world_size=self.world_size, exitcode=0
+            )
+        else:
+            stacks = {r: cell_names(text) for r, text in stacks.items()}
+            exception = DistributedHangError(cell_names(full), stacks=stacks)
         return {
             "kind": "hang",
             "rank": rank,
             "message": headline,
             "secondary": False,
-            "exception": DistributedHangError(
-                cell_names(full), stacks={r: cell_names(text) for r, text in stacks.items()}
-            ),
+            "exception": exception,
             "title": headline,
         }
 

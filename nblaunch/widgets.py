@@ -355,8 +355,8 @@ class LaunchView:
         self._running = False
         self._stop_lock = threading.Lock()
         self.stop_requested = False
-        # False: build no widgets, show only the static summary at the end (a pool cell that
-        # was over before its live view would have appeared; see pool._DeferredView).
+        # False: build no widgets, show only the static summary at the end (a run that was
+        # over before its live view would have appeared; see DeferredView).
         self.live = True
 
     # --- EventSink -------------------------------------------------------------------------------
@@ -695,6 +695,7 @@ class LaunchView:
 
     def _ranks_html(self) -> str:
         rows = []
+        bars = []  # the tqdm bars ranks draw now
         for rank in sorted(self.states):
             state = self.states[rank]
             bg, fg = STATE_COLORS[state]
@@ -712,6 +713,7 @@ class LaunchView:
                 row += f"<span class='nbl-dim'>{_esc(device)}</span>"
             bar = self._progress_bar(rank)
             if bar is not None:  # a tqdm bar: drawn as a bar, with its count, rate and ETA
+                bars.append(bar)
                 row += _bar_html(*bar)
             else:
                 preview = _ansi_strip(last[:500])
@@ -727,7 +729,6 @@ class LaunchView:
                     f"{1 - share:.0%}{inside}</span>"
                 )
             rows.append(row + "</div>")
-        bars = [bar for rank in sorted(self.states) if (bar := self._progress_bar(rank))]
         if len(bars) > 1:  # all ranks: as far as the slowest
             slowest = min(bars, key=lambda bar: bar[0])
             rows.insert(

@@ -447,10 +447,9 @@ def _innermost_user_frame(exc: BaseException) -> str:
 
 
 def _tear_down() -> None:
-    with contextlib.suppress(Exception):
-        from nblaunch import default_group
+    from nblaunch import default_group
 
-        default_group.tear_down()  # also when the user destroyed the group already
+    default_group.tear_down()  # also when the user destroyed the group already; never raises
 
 
 # --- inside a rank: public accessors --------------------------------------------------------------

@@ -7,6 +7,7 @@ Run alone with ``pytest -m browser`` (``make test-browser``). Needs Debian's chr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -105,48 +106,52 @@ def _serve(tmp_path: Path, name: str):
             server.wait(5)
 
 
-def _run_all(browser, url: str, height: int):
-    """Open the notebook at ``url``, wait for its kernel, run every cell; return the page."""
-    page = browser.new_page(viewport={"width": 1100, "height": height})
-    page.goto(url, timeout=90_000)
-    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-    page.wait_for_function(
-        "() => { const p = window.jupyterapp?.shell?.currentWidget;"
-        " return p?.sessionContext?.session?.kernel?.status === 'idle'; }",
-        timeout=90_000,
-    )
-    # Not awaited: the command's promise settles only when every cell has run.
-    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-    return page
-
-
-def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab):
-    from playwright.sync_api import expect, sync_playwright
+@contextlib.contextmanager
+def _running(url: str, height: int):
+    """Chromium with the notebook at ``url`` open, its kernel idle, every cell started; yields
+    the page and closes the browser at the end."""
+    from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
         )
         try:
-            page = _run_all(browser, jupyterlab, height=1600)
-            view = page.locator(".nbl-root")
-            expect(view).to_be_visible(timeout=120_000)
-            ranks = view.locator(".nbl-ranks")
-            expect(ranks).to_contain_text("rank 0 · DONE", timeout=120_000)
-            expect(ranks).to_contain_text("rank 1 · DONE", timeout=30_000)
-            # The "All ranks" tab is the one showing; it holds rank 1's lines.
-            shown_log = view.locator(".nbl-log:visible")
-            expect(shown_log).to_have_count(1)
-            expect(shown_log).to_contain_text("[1] rank 1 step 7: all_reduce -> 15")
-            summary = page.locator(".jp-OutputArea-output", has_text="finished in")
-            expect(summary.last).to_contain_text("rank 1")
-            page.wait_for_timeout(500)  # let the last repaint settle before the picture
-            outputs = page.locator(".jp-Cell", has=view).locator(".jp-Cell-outputWrapper")
-            outputs.scroll_into_view_if_needed()
-            SCREENSHOT.parent.mkdir(exist_ok=True)
-            outputs.screenshot(path=str(SCREENSHOT))
+            page = browser.new_page(viewport={"width": 1100, "height": height})
+            page.goto(url, timeout=90_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+            page.wait_for_function(
+                "() => { const p = window.jupyterapp?.shell?.currentWidget;"
+                " return p?.sessionContext?.session?.kernel?.status === 'idle'; }",
+                timeout=90_000,
+            )
+            # Not awaited: the command's promise settles only when every cell has run.
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            yield page
         finally:
             browser.close()
+
+
+def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab):
+    from playwright.sync_api import expect
+
+    with _running(jupyterlab, height=1600) as page:
+        view = page.locator(".nbl-root")
+        expect(view).to_be_visible(timeout=120_000)
+        ranks = view.locator(".nbl-ranks")
+        expect(ranks).to_contain_text("rank 0 · DONE", timeout=120_000)
+        expect(ranks).to_contain_text("rank 1 · DONE", timeout=30_000)
+        # The "All ranks" tab is the one showing; it holds rank 1's lines.
+        shown_log = view.locator(".nbl-log:visible")
+        expect(shown_log).to_have_count(1)
+        expect(shown_log).to_contain_text("[1] rank 1 step 7: all_reduce -> 15")
+        summary = page.locator(".jp-OutputArea-output", has_text="finished in")
+        expect(summary.last).to_contain_text("rank 1")
+        page.wait_for_timeout(500)  # let the last repaint settle before the picture
+        outputs = page.locator(".jp-Cell", has=view).locator(".jp-Cell-outputWrapper")
+        outputs.scroll_into_view_if_needed()
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        outputs.screenshot(path=str(SCREENSHOT))
     assert SCREENSHOT.stat().st_size > 10_000
 
 
@@ -178,32 +183,25 @@ def chart_notebook(tmp_path):
 
 
 def test_the_loss_chart_moves_while_ranks_train(chart_notebook):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     shots = [ROOT / "docs" / f"metrics-chart-{n}.png" for n in (1, 2)]
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
-        )
-        try:
-            page = _run_all(browser, chart_notebook, height=1400)
-            charts = page.locator(".nbl-root .nbl-charts")
-            expect(charts).to_be_visible(timeout=120_000)
-            expect(charts.locator("polyline").first).to_be_attached(timeout=30_000)
-            expect(page.locator(".nbl-root .nbl-ranks")).to_contain_text("RUNNING")
+    with _running(chart_notebook, height=1400) as page:
+        charts = page.locator(".nbl-root .nbl-charts")
+        expect(charts).to_be_visible(timeout=120_000)
+        expect(charts.locator("polyline").first).to_be_attached(timeout=30_000)
+        expect(page.locator(".nbl-root .nbl-ranks")).to_contain_text("RUNNING")
 
-            def points() -> int:  # points on the first rank's loss line now
-                return len(charts.locator("polyline").first.get_attribute("points").split())
+        def points() -> int:  # points on the first rank's loss line now
+            return len(charts.locator("polyline").first.get_attribute("points").split())
 
-            first = points()
-            view = page.locator(".jp-Cell", has=charts).locator(".jp-Cell-outputWrapper")
-            view.screenshot(path=str(shots[0]))
-            page.wait_for_timeout(3000)
-            second = points()
-            view.screenshot(path=str(shots[1]))
-            assert second > first  # the line grew while the ranks trained
-            assert charts.locator("svg").count() >= 2  # loss, lr (and steps/s)
-            assert charts.locator("polyline").count() >= 4  # a line per rank in each
-        finally:
-            browser.close()
+        first = points()
+        view = page.locator(".jp-Cell", has=charts).locator(".jp-Cell-outputWrapper")
+        view.screenshot(path=str(shots[0]))
+        page.wait_for_timeout(3000)
+        second = points()
+        view.screenshot(path=str(shots[1]))
+        assert second > first  # the line grew while the ranks trained
+        assert charts.locator("svg").count() >= 2  # loss, lr (and steps/s)
+        assert charts.locator("polyline").count() >= 4  # a line per rank in each
     assert all(shot.stat().st_size > 5_000 for shot in shots)
