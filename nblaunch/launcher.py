@@ -557,13 +557,14 @@ def _prune_runs(base: Path, keep: Path) -> None:
 
     try:
         limit = int(os.environ.get("NBLAUNCH_KEEP_RUNS", KEEP_RUNS))
-        runs = sorted(p for p in base.iterdir() if _RUN_DIR_NAME.match(p.name) and p.is_dir())
+        with os.scandir(base) as entries:  # no stat per entry: this runs at every launch
+            runs = sorted(e.path for e in entries if _RUN_DIR_NAME.match(e.name) and e.is_dir())
     except (OSError, ValueError):
         return
     if limit <= 0:
         return
     for old in runs[: max(0, len(runs) - limit)]:  # names sort by time
-        if old != keep:
+        if old != str(keep):
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -960,7 +961,7 @@ class Run:
                     self.set_state(rank, RunState.DONE)
                 for rank in supervisor.ranks:
                     supervisor.send(rank, {"kind": STOP})
-                self._relay_until_exited(timeout=5.0)
+                self._relay_until_hung_up(timeout=5.0)
             else:
                 reason = self._stop_reason()
                 for rank in range(self.plan.world_size):
@@ -999,16 +1000,17 @@ class Run:
             return f"stopped after rank {root['rank']} failed"
         return "stopped"
 
-    def _relay_until_exited(self, timeout: float) -> None:
-        """Keep reading output while ranks shut down, so none blocks on a full pipe."""
-        from multiprocessing.connection import wait
-
+    def _relay_until_hung_up(self, timeout: float) -> None:
+        """Keep reading output while the stopped ranks shut down, until each has closed its
+        pipes (its last words) or exited; those still exiting are left to exit on their own."""
+        assert self.relay is not None
         deadline = time.monotonic() + timeout
-        while (alive := self.supervisor.alive()) and time.monotonic() < deadline:
-            if self.relay is not None:
-                self.relay.poll(0)
-            wait([rank.process.sentinel for rank in alive], timeout=0.01)
+        while time.monotonic() < deadline:
             self.supervisor.reap()
+            if all(self.relay.hung_up(rank.rank) for rank in self.supervisor.alive()):
+                break
+            self.relay.poll(0.01)
+        self.supervisor.let_go([r for r in self.supervisor.alive() if self.relay.hung_up(r.rank)])
 
     def _run_ended(self, ok: bool) -> Event:
         outcomes: dict[int, str] = {}

@@ -139,6 +139,15 @@ class Relay:
             return []
         return self._read_events(rank, process.conn.fileno())
 
+    def hung_up(self, rank: int) -> bool:
+        """True once every pipe from the rank's process has reached its end."""
+        process = self._conns[rank]
+        open_fds = self._selector.get_map()
+        return all(
+            end.fileno() not in open_fds
+            for end in (process.stdout_r, process.stderr_r, process.conn)
+        )
+
     def drain_output(self, timeout: float = 2.0) -> None:
         """Read output until every pipe closes or ``timeout`` passes; then end partial lines."""
         deadline = time.monotonic() + timeout

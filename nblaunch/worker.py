@@ -69,7 +69,7 @@ def current() -> RankContext | None:
 
 
 def emit(event: Event) -> None:
-    """Send one event to the parent; does nothing outside an nblaunch rank."""
+    """Send one event to the parent; does nothing outside an nblaunch rank or after it hung up."""
     if _channel is not None:
         _channel.send(event)
 
@@ -93,7 +93,12 @@ class _Channel:
 
     def send(self, event: Event | dict[str, Any]) -> None:
         with self._lock:
-            self.conn.send(event)
+            if not self.conn.closed:
+                self.conn.send(event)
+
+    def close(self) -> None:
+        with self._lock:
+            self.conn.close()
 
     def recv(self) -> dict[str, Any]:
         return self.conn.recv()
@@ -144,6 +149,7 @@ def main(
 
     semaphores.track(semaphore_dir)
     _channel = _Channel(conn)
+    stopped = False
     try:
         setup = _channel.recv()
         assert setup["kind"] == SETUP, setup
@@ -152,6 +158,7 @@ def main(
         while True:
             message = _channel.recv()
             if message["kind"] == STOP:
+                stopped = True
                 break
             _run_task(message)
     except (EOFError, OSError):
@@ -161,6 +168,22 @@ def main(
         # Before multiprocessing's exit handler, which would wait for non-daemon children.
         containment.end_descendants()
         _flush_output()
+    if stopped:
+        _hang_up(_channel)
+
+
+def _hang_up(channel: _Channel) -> None:
+    """Close every pipe to the parent: this rank has nothing more to say.
+
+    The parent returns once a stopped rank's pipes are closed, without waiting for the process
+    to exit, which costs a few milliseconds of unmapping torch's memory. Anything written after
+    this (multiprocessing's exit handlers) goes to /dev/null.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    channel.close()
 
 
 def _flush_output() -> None:
