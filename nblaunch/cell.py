@@ -438,12 +438,12 @@ def serialize_names(values: dict[str, Any]) -> bytes:
 
 
 def _unpicklable_message(name: str, value: Any, exc: Exception) -> str:
-    from nblaunch.launcher import _first_unpicklable, find_unpicklable
+    from nblaunch.plan import find_unpicklable, first_unpicklable
 
     culprit = None
     if isinstance(value, types.FunctionType):
         culprit = find_unpicklable(value, (), {})
-    culprit = culprit or _first_unpicklable(name, value, depth=0)
+    culprit = culprit or first_unpicklable(name, value, depth=0)
     what = f"variable {name!r} (a {_type_name(value)})"
     if not culprit.startswith(f"{name} ("):
         what += f": {culprit}"

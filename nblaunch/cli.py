@@ -16,6 +16,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from nblaunch.options import DEVICE_TYPES, START_METHODS
+
 # Subcommands: each adds its parser to the subparsers and sets ``handler`` (args -> exit code).
 # An option-taking subcommand that forwards unknown arguments sets ``forward_extra=True``.
 Subparsers = Any  # argparse._SubParsersAction, which argparse does not export
@@ -69,10 +71,8 @@ def add_run_command(subparsers: Subparsers) -> None:
         "-n", "--num-processes", type=int, default=None, metavar="N", help="number of ranks"
     )
     parser.add_argument("--debug", action="store_true", default=None, help="check collectives")
-    parser.add_argument(
-        "--start-method", default="forkserver", choices=("forkserver", "spawn", "fork")
-    )
-    parser.add_argument("--device", choices=("cuda", "cpu", "xla"), default=None)
+    parser.add_argument("--start-method", default=START_METHODS[0], choices=START_METHODS)
+    parser.add_argument("--device", choices=DEVICE_TYPES, default=None)
     parser.add_argument("--timeout", type=float, default=None, metavar="S")
     parser.add_argument("--hang-timeout", type=float, default=None, metavar="S")
     parser.add_argument("--log-level", default=None)

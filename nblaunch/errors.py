@@ -227,3 +227,11 @@ def describe_exit(exitcode: int | None) -> tuple[str, int | None]:
         }.get(name, "")
         return f"was killed by {name}{hint}", signum
     return f"exited with code {exitcode} without raising a Python exception", None
+
+
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)``, or a stand-in naming the type when the exception's ``__str__`` fails."""
+    try:
+        return str(exc)
+    except Exception as error:
+        return f"<{type(exc).__name__}: str() raised {type(error).__name__}: {error!r}>"

@@ -369,8 +369,8 @@ class NodeRun:
         self._last_control_check = 0.0
 
     def run(self) -> int:
-        from nblaunch.launcher import STOP_GRACE_S
         from nblaunch.relay import Relay
+        from nblaunch.run import STOP_GRACE_S
         from nblaunch.supervisor import Supervisor
         from nblaunch.worker import STOP, TASK
 

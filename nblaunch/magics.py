@@ -27,6 +27,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nblaunch.errors import LaunchError
+from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LOG_LEVELS, START_METHODS
 from nblaunch.worker import import_features
 
 if TYPE_CHECKING:
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
 
 # Modules that register %dist sub-commands when imported.
 DIST_FEATURES = ("nblaunch.pool", "nblaunch.doctor")
-START_METHODS = ("forkserver", "spawn", "fork")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass(frozen=True)
@@ -256,7 +255,7 @@ class DistributedMagics(Magics):
                     task, ranks=args.ranks, timeout=args.timeout, hang_timeout=args.hang_timeout
                 )
             else:
-                from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S, notebook_launcher
+                from nblaunch.launcher import notebook_launcher
 
                 results = notebook_launcher(
                     task,

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nblaunch import worker
-from nblaunch.errors import NoExecutableBatchSizeError
+from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
+from nblaunch.verdict import Cause, RootCause
 
 # Text of out-of-memory errors that do not come as torch.OutOfMemoryError.
 OOM_MESSAGES = (
@@ -584,7 +585,7 @@ class BatchSizeMonitor:
     A rank that ran out of memory waits for its peers' outcome; a peer blocked in a collective
     of the same attempt waits for that rank; neither can move. The monitor sees the first
     rank's "waiting" progress and the others' heartbeats (inside a collective), or no word
-    from them for a while, and asks the launcher for a restart (a root of kind ``"restart"``
+    from them for a while, and asks the launcher for a restart (a root cause ``Cause.RESTART``
     whose ``options`` go into every rank's setup).
     """
 
@@ -618,7 +619,7 @@ class BatchSizeMonitor:
             else:
                 self._in_collective[rank] = 0
 
-    def check(self, run: Any) -> dict[str, Any] | None:
+    def check(self, run: Any) -> RootCause | None:
         if not self._waiting or run.outcome.failures:
             return None  # a rank's own failure is the root cause; the launcher reports it
         outside = [r for r in range(self.world_size) if r not in run.task_ranks]
@@ -643,9 +644,7 @@ class BatchSizeMonitor:
             return None  # this peer may still be working towards the agreement
         return self._restart(others)
 
-    def _never_agree(self, outside: list[int], returned: list[int]) -> dict[str, Any]:
-        from nblaunch.errors import DistributedHangError
-
+    def _never_agree(self, outside: list[int], returned: list[int]) -> RootCause:
         rank = min(self._waiting)
         if outside:
             why = (
@@ -659,18 +658,15 @@ class BatchSizeMonitor:
             )
         message = f"find_executable_batch_size on rank {rank} waits for {why}"
         self._waiting.clear()
-        return {
-            "kind": "batch_size",
-            "rank": rank,
-            "message": message,
-            "secondary": False,
-            "exception": DistributedHangError(message),
-            "title": "find_executable_batch_size not called on every rank",
-        }
+        return RootCause(
+            Cause.BATCH_SIZE,
+            rank,
+            message,
+            exception=DistributedHangError(message),
+            title="find_executable_batch_size not called on every rank",
+        )
 
-    def _restart(self, blocked: list[int]) -> dict[str, Any]:
-        from nblaunch.errors import DistributedHangError
-
+    def _restart(self, blocked: list[int]) -> RootCause:
         notice = min(self._waiting.values(), key=lambda w: w["attempt"])
         oom_ranks = sorted(self._waiting)
         history = [
@@ -692,14 +688,13 @@ class BatchSizeMonitor:
             exc: BaseException = NoExecutableBatchSizeError(message)
             if restarts > MAX_RESTARTS:
                 exc = DistributedHangError(message)
-            return {
-                "kind": "batch_size",
-                "rank": rank,
-                "message": message,
-                "secondary": False,
-                "exception": exc,
-                "title": f"rank {rank}: out of memory at every batch size",
-            }
+            return RootCause(
+                Cause.BATCH_SIZE,
+                rank,
+                message,
+                exception=exc,
+                title=f"rank {rank}: out of memory at every batch size",
+            )
         cause = (
             f"{_who(oom_ranks, self.world_size)}: out of memory at batch_size="
             f"{notice['batch_size']} while {blocked_words} waited for it"
@@ -707,21 +702,20 @@ class BatchSizeMonitor:
         message = f"{cause}; restarting all {self.world_size} ranks at batch_size={next_size}"
         self._waiting.clear()
         self._in_collective.clear()
-        return {
-            "kind": "restart",
-            "rank": rank,
-            "message": message,
-            "secondary": False,
+        return RootCause(
+            Cause.RESTART,
+            rank,
+            message,
             # For a caller that cannot restart ranks (a persistent pool): what to raise instead.
-            "exception": DistributedHangError(
+            exception=DistributedHangError(
                 f"{cause}. The ranks cannot be restarted here: run again with "
                 f"starting_batch_size={next_size}"
             ),
-            "title": f"rank {rank}: out of memory while its peers waited in a collective",
-            "options": {
+            title=f"rank {rank}: out of memory while its peers waited in a collective",
+            options={
                 RESTART_OPTION: {notice["key"]: {"batch_size": next_size, "history": history}}
             },
-            "progress": {
+            progress={
                 "kind": "progress",
                 "rank": rank,
                 "what": "batch_size",
@@ -740,4 +734,4 @@ class BatchSizeMonitor:
                     "done": False,
                 },
             },
-        }
+        )

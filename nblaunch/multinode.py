@@ -1,6 +1,6 @@
 """Runs across several machines: the notebook node hosts, the other nodes join.
 
-A multi-node run is the single-node run of :mod:`nblaunch.launcher` on every node, tied together
+A multi-node run is the single-node run of :mod:`nblaunch.run` on every node, tied together
 by PyTorch's own elastic rendezvous (``torch.distributed.elastic``'s c10d rendezvous)::
 
     notebook node (node 0)                                   other nodes
@@ -23,7 +23,7 @@ by PyTorch's own elastic rendezvous (``torch.distributed.elastic``'s c10d rendez
 - **Events**: each joined node runs the ordinary supervisor and relay; its relay's sink pushes
   the events and output lines of its ranks, in batches, onto a queue in the store, which the
   notebook's relay pops alongside its own pipes. No second connection, no extra port.
-- **Decisions** are taken in one place, the notebook's :class:`~nblaunch.launcher.Run`: the first
+- **Decisions** are taken in one place, the notebook's :class:`~nblaunch.run.Run`: the first
   primary failure on any node is the root cause; the notebook then sets the control key and
   every node stops its ranks. (An elastic agent per node would hide a remote failure from the
   notebook node behind its exit barrier; here no node decides on its own.)
@@ -55,10 +55,13 @@ from nblaunch.errors import (
     RendezvousTimeoutError,
 )
 from nblaunch.events import Event, EventSink, RunState
-from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S, LaunchPlan, Run
+from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
+from nblaunch.plan import LaunchPlan, detect_devices, plan_launch, serialize_payload
 from nblaunch.relay import Relay, log_line, open_private
+from nblaunch.run import Run
 from nblaunch.supervisor import Supervisor, warm_up
 from nblaunch.trust import SECRET_ENV, RunSecret, SigningStore, remove_secret_file
+from nblaunch.verdict import Cause, RootCause
 from nblaunch.worker import TASK
 
 DEFAULT_PORT = 29400
@@ -340,9 +343,8 @@ def plan_for_joined_node(
     LaunchError
         When this node lacks the devices the run needs.
     """
-    from nblaunch.launcher import _detect_devices
 
-    device_type, count, device_kind = _detect_devices(config["device_type"])
+    device_type, count, device_kind = detect_devices(config["device_type"])
     if device_type != "cpu" and config["nproc_per_node"] > count:
         raise LaunchError(
             f"the run needs {config['nproc_per_node']} {device_type.upper()} device(s) per node "
@@ -429,7 +431,6 @@ def launch_multinode(
     KeyboardInterrupt
         The launch was interrupted; every rank on every node has been stopped.
     """
-    from nblaunch.launcher import plan_launch, serialize_payload
 
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise LaunchError(f"num_nodes must be a whole number of machines >= 1, got {num_nodes!r}")
@@ -898,7 +899,7 @@ class _NodeMonitor:
     def on_event(self, run: Run, event: dict[str, Any]) -> None:
         pass
 
-    def check(self, run: Run) -> dict[str, Any] | None:
+    def check(self, run: Run) -> RootCause | None:
         head = self.head
         problems = [(node, message) for node, message in head.errors]
         problems += [
@@ -917,18 +918,17 @@ class _NodeMonitor:
         )
         for rank in range(first, first + plan.nproc_per_node):
             run.set_state(rank, RunState.FAILED, message[:200])
-        return {
-            "kind": "node",
-            "rank": first,
-            "message": text,
-            "secondary": False,
-            "title": f"node {node} ({host}) failed",
-            "exception": RankFailedError(text, rank=first, world_size=plan.world_size),
-        }
+        return RootCause(
+            Cause.NODE,
+            first,
+            text,
+            title=f"node {node} ({host}) failed",
+            exception=RankFailedError(text, rank=first, world_size=plan.world_size),
+        )
 
 
 class MultiNodeRun(Run):
-    """A :class:`~nblaunch.launcher.Run` whose ranks live on several nodes.
+    """A :class:`~nblaunch.run.Run` whose ranks live on several nodes.
 
     This node's ranks are supervised here as in a single-node run; the other nodes' events
     arrive through :class:`NodesRelay`. The decisions (root cause, when to stop) are the
@@ -957,18 +957,18 @@ class MultiNodeRun(Run):
         for rank in self.supervisor.ranks:
             self.supervisor.send(rank, {"kind": TASK, "payload": payload, "task_id": task_id})
 
-    def _on_event(self, event: dict[str, Any]) -> None:
+    def on_event(self, event: dict[str, Any]) -> None:
         if event["kind"] == "death":
-            self._on_death(event["rank"], event["exitcode"])
-            self.outcome.failures[-1]["message"] += f" (on node {event['node']}, {event['host']})"
+            self.on_death(event["rank"], event["exitcode"])
+            self.outcome.failures[-1].message += f" (on node {event['node']}, {event['host']})"
             return
-        super()._on_event(event)
+        super().on_event(event)
 
-    def _stop_on_interrupt(self) -> None:
+    def stop_on_interrupt(self) -> None:
         self.head.control(CONTROL_INTERRUPT)
-        super()._stop_on_interrupt()
+        super().stop_on_interrupt()
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         ok = len(self.outcome.results) == self.plan.world_size and self.outcome.root is None
         self.head.control(CONTROL_OK if ok else CONTROL_STOP)
-        super()._finish()
+        super().finish()

@@ -33,6 +33,7 @@ from typing import Any
 
 from nblaunch import worker
 from nblaunch.errors import DistributedOperationException
+from nblaunch.options import debug_from_env
 
 # Bytes each rank contributes to the verification all_gather; a record is ~200 bytes, and one
 # that does not fit lists fewer tensors (the comparison still uses digests of all of them).
@@ -80,8 +81,6 @@ def debug_enabled() -> bool:
     context = worker.current()
     if context is not None:
         return context.debug
-    from nblaunch.launcher import debug_from_env
-
     return debug_from_env()
 
 

@@ -5,7 +5,7 @@ process group. Every ``%%distributed`` cell, or :meth:`Pool.run` call, is then o
 to those same ranks, so a model built in one cell is still there in the next one, and a cell
 costs a few milliseconds instead of a launch.
 
-The pool is a :class:`~nblaunch.launcher.Run` that runs many tasks: the same supervisor, relay,
+The pool is a :class:`~nblaunch.run.Run` that runs many tasks: the same supervisor, relay,
 root-cause logic and live view as a one-shot launch. What it adds is what happens *between*
 tasks:
 
@@ -37,7 +37,11 @@ from typing import Any
 
 from nblaunch.errors import LaunchError
 from nblaunch.events import RunState
-from nblaunch.launcher import DEFAULT_HANG_TIMEOUT_S
+from nblaunch.features import parent_monitors
+from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DEVICE_TYPES, DISPLAY_MODES, START_METHODS
+from nblaunch.plan import plan_launch, serialize_payload
+from nblaunch.run import Run
+from nblaunch.verdict import Cause, Outcome, RootCause, add_note, recreate_exception, settle
 
 # How long the ranks of an interrupted or failed task get to come back before the pool restarts.
 INTERRUPT_WAIT_S = 3.0
@@ -191,7 +195,7 @@ class Pool:
         self.last_task = ""  # what ran last, and how it ended
         self.current_task = ""
         self.restarts = 0
-        self._run: Any = None  # nblaunch.launcher.Run
+        self._run: Any = None  # nblaunch.run.Run
         self._task_id = 0
         self._pids: list[int | None] = []
 
@@ -216,8 +220,7 @@ class Pool:
             )
         if self.state is not PoolState.CLOSED:
             raise LaunchError(f"this pool is already {self.state.value}; close() it first")
-        from nblaunch.launcher import Run, plan_launch
-        from nblaunch.widgets import DISPLAY_MODES, NullView
+        from nblaunch.widgets import NullView
 
         if self.display not in DISPLAY_MODES:
             raise LaunchError(f"display={self.display!r} is not one of {', '.join(DISPLAY_MODES)}")
@@ -300,8 +303,6 @@ class Pool:
         KeyboardInterrupt
             The task was interrupted; the ranks are ready for the next one.
         """
-        from nblaunch.launcher import serialize_payload
-
         payload = serialize_payload(function, args, kwargs)
         return self.run_payload(payload, description=_describe_function(function))
 
@@ -311,8 +312,6 @@ class Pool:
         Returns one value per chosen rank, in rank order. Collectives need every rank: one
         called here waits for ranks that are not running it.
         """
-        from nblaunch.launcher import serialize_payload
-
         chosen = parse_ranks(ranks, self.world_size)
         payload = serialize_payload(function, args, kwargs)
         return self.run_payload(payload, ranks=chosen, description=_describe_function(function))
@@ -345,8 +344,6 @@ class Pool:
         list
             One entry per rank of the pool; ``None`` for ranks the cell did not run on.
         """
-        from nblaunch.launcher import serialize_payload
-
         chosen = None if ranks is None else parse_ranks(ranks, self.world_size)
         if chosen is not None:
             task.main_rank = chosen[0]
@@ -379,7 +376,7 @@ class Pool:
         Parameters
         ----------
         payload
-            From :func:`~nblaunch.launcher.serialize_payload`.
+            From :func:`~nblaunch.plan.serialize_payload`.
         ranks
             The ranks to run on (default all); values come back in rank order.
         description
@@ -398,7 +395,6 @@ class Pool:
         KeyboardInterrupt
             The task was interrupted; the ranks are ready for the next one.
         """
-        from nblaunch.launcher import _Outcome, make_monitors
         from nblaunch.widgets import DeferredView, NullView, make_view
 
         self._check_usable()
@@ -415,7 +411,7 @@ class Pool:
         run.relay.in_order.start_task(task_ranks)  # in-order records wait for these ranks only
         run.view = view
         run.relay.sink = view
-        run.outcome = _Outcome()
+        run.outcome = Outcome()
         run.states = {}
         run.started_at = time.time()
         run.plan.timeout = timeout
@@ -423,7 +419,7 @@ class Pool:
             self.options["hang_timeout"] if hang_timeout is None else hang_timeout
         )
         guard = _TaskGuard()
-        run.monitors = [guard, *make_monitors(run.plan)]
+        run.monitors = [guard, *parent_monitors(run.plan)]
         self._task_id += 1
         self.state = PoolState.BUSY
         self.current_task = description or "a task"
@@ -436,7 +432,7 @@ class Pool:
                 for rank in task_ranks:
                     run.set_state(rank, RunState.RUNNING)
                 run.send_task(payload, self._task_id, task_ranks)
-                run._watch()
+                run.watch()
             except KeyboardInterrupt:
                 interrupted = True
             note, stopped = self._end_task(run, guard, interrupted)
@@ -490,8 +486,6 @@ class Pool:
             return rows
         rank_info: dict[int, dict[str, Any]] = {}
         if self.state is PoolState.IDLE:
-            from nblaunch.launcher import serialize_payload
-
             with contextlib.suppress(Exception):
                 values = self.run_payload(
                     serialize_payload(_rank_info), description="%dist status", display="none"
@@ -563,23 +557,17 @@ class Pool:
 
     def _await_started(self, run: Any) -> None:
         """Relay until every rank reported "started", or raise why one could not."""
-        from nblaunch.launcher import SECONDARY_GRACE_S
-
         started: set[int] = set()
         deadline = time.monotonic() + self.start_timeout
-        failed_since: float | None = None
         while len(started) < run.plan.world_size:
             for event in run.relay.poll(0.05):
-                run._on_event(event)
+                run.on_event(event)
                 if event["kind"] == "started":
                     started.add(event["rank"])
             _reap_into(run)
-            failures = run.outcome.failures
-            primaries = [f for f in failures if not f["secondary"]]
-            if failures:
-                failed_since = failed_since or time.monotonic()
-            if primaries or (failed_since and time.monotonic() - failed_since > SECONDARY_GRACE_S):
-                raise run._exception_for((primaries or failures)[0])
+            root = settle(run.outcome, run.task_ranks, time.monotonic())
+            if root is not None:
+                raise run.exception_for(root)
             if time.monotonic() > deadline:
                 raise LaunchError(
                     f"the pool's ranks did not start within {self.start_timeout:g} s "
@@ -588,7 +576,7 @@ class Pool:
 
     def _end_task(
         self, run: Any, guard: _TaskGuard, interrupted: bool
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[RootCause]]:
         """Bring the task's ranks back to waiting for the next task.
 
         Returns a note for the person (empty when all went to plan) and the ranks' failures
@@ -612,28 +600,28 @@ class Pool:
             # A second press of the interrupt button stops the waiting.
             while _pending(run) and time.monotonic() < deadline and guard.interrupts < 2:
                 for event in run.relay.poll(0.05):
-                    run._on_event(event)
+                    run.on_event(event)
                 _reap_into(run)
         for event in run.relay.drain_ready():
-            run._on_event(event)
+            run.on_event(event)
         # A KeyboardInterrupt the pool caused is not a failure of that rank: it was stopped.
         stopped = [
             f
             for f in outcome.failures
-            if f["kind"] == "failure"
-            and f["rank"] in signalled
-            and f["exc_type"] == "builtins.KeyboardInterrupt"
+            if f.cause is Cause.FAILURE
+            and f.rank in signalled
+            and f.exc_type == "builtins.KeyboardInterrupt"
         ]
         outcome.failures = [f for f in outcome.failures if f not in stopped]
         for failure in stopped:
             why = "interrupted" if interrupted else "stopped after another rank failed"
-            run.set_state(failure["rank"], RunState.STOPPED, why)
+            run.set_state(failure.rank, RunState.STOPPED, why)
         deaths = _deaths(run)
         pending = _pending(run)
         note = ""
         if deaths:
-            rank = deaths[0]["rank"]
-            self._break(f"rank {rank} {deaths[0]['message']}")
+            rank = deaths[0].rank
+            self._break(f"rank {rank} {deaths[0].message}")
             note = (
                 f"The pool lost rank {rank}: run %dist restart (or pool.restart()) for fresh "
                 "ranks, whose names from earlier cells are gone."
@@ -663,11 +651,11 @@ class Pool:
                     "title": "the pool lost a rank" if deaths else "the pool was restarted",
                     "body": note,
                     "severity": "warning",
-                    "rank": deaths[0]["rank"] if deaths else pending[0],
+                    "rank": deaths[0].rank if deaths else pending[0],
                     "secondary": [],
                 }
             )
-        run.publish(run._run_ended(ok))
+        run.publish(run.run_ended(ok))
         run.view.close()
         self.last_task = f"{self.current_task} ({'ok' if ok else 'failed'})"
         if pending and not deaths:
@@ -677,26 +665,24 @@ class Pool:
         return note, stopped
 
     def _conclude(
-        self, run: Any, interrupted: bool, note: str, stopped: list[dict[str, Any]]
+        self, run: Any, interrupted: bool, note: str, stopped: list[RootCause]
     ) -> list[Any]:
         """Return the task's values, or raise its root cause with the pool's note attached."""
-        from nblaunch.launcher import _recreate_exception, add_note
-
         outcome = run.outcome
         complete = len(outcome.results) == len(run.task_ranks)
         if outcome.root is None and not interrupted and (complete or not note):
             if note:  # every value arrived, but a rank then did not come back
                 warnings.warn(note, RuntimeWarning, stacklevel=3)
-            return run._conclude()
+            return run.conclude()
         # A rank's own error or death seen during the interrupt comes before the interrupt.
         root = outcome.root or next(iter(outcome.failures), None)
         if root is not None:
-            exc = run._exception_for(root)
+            exc = run.exception_for(root)
         else:
-            exc = _recreate_exception(stopped[0], run.plan.world_size) if stopped else None
+            exc = recreate_exception(stopped[0], run.plan.world_size) if stopped else None
             if not isinstance(exc, KeyboardInterrupt):
                 exc = KeyboardInterrupt()
-            ranks = ", ".join(str(f["rank"]) for f in stopped) or "none"
+            ranks = ", ".join(str(f.rank) for f in stopped) or "none"
             ready = "" if note else "; the pool is ready for the next cell"
             add_note(exc, f"interrupted on rank(s) {ranks}{ready}")
         if note:
@@ -786,17 +772,17 @@ def _pending(run: Any) -> list[int]:
     return [r for r in run.task_ranks if r not in run.outcome.finished]
 
 
-def _deaths(run: Any) -> list[dict[str, Any]]:
-    return [f for f in run.outcome.failures if f["kind"] == "death"]
+def _deaths(run: Any) -> list[RootCause]:
+    return run.outcome.deaths()
 
 
 def _reap_into(run: Any) -> None:
     """Record ranks whose process ended (after reading what they sent last) as deaths."""
     for rank in run.supervisor.reap():
         for event in run.relay.drain_events(rank.rank):
-            run._on_event(event)
+            run.on_event(event)
         if rank.rank not in run.outcome.finished:
-            run._on_death(rank.rank, rank.exitcode)
+            run.on_death(rank.rank, rank.exitcode)
 
 
 def parse_ranks(spec: Any, world_size: int) -> list[int]:
@@ -903,10 +889,10 @@ def _start_parser(prog: str) -> Any:
     )
     parser.add_argument("-n", "--num-processes", type=int, default=None, metavar="N")
     parser.add_argument("--debug", action="store_true", default=None)
-    parser.add_argument("--start-method", choices=("forkserver", "spawn", "fork"), default=None)
+    parser.add_argument("--start-method", choices=START_METHODS, default=None)
     parser.add_argument("--log-level", default=None, metavar="LEVEL")
     parser.add_argument("--hang-timeout", type=float, default=None, metavar="S")
-    parser.add_argument("--device-type", choices=("cuda", "cpu", "xla"), default=None)
+    parser.add_argument("--device-type", choices=DEVICE_TYPES, default=None)
     parser.add_argument("-h", "--help", action="store_true")
     return parser
 

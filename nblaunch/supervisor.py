@@ -31,9 +31,9 @@ from typing import Any
 
 from nblaunch import containment, semaphores
 from nblaunch.errors import LaunchError
+from nblaunch.options import START_METHODS, env_off
 from nblaunch.worker import RANK_FEATURES
 
-START_METHODS = ("forkserver", "spawn", "fork")
 PIPE_SIZE = 1 << 20
 # Modules the forkserver imports once, so that every rank it forks has them already.
 FORKSERVER_PRELOAD = [
@@ -76,7 +76,7 @@ def warm_up_if_interactive() -> None:
     not in a plain script (which launches at once anyway), and never when
     ``NBLAUNCH_PRESTART=0``. It touches no accelerator: the forkserver is a fresh process.
     """
-    if os.environ.get("NBLAUNCH_PRESTART", "1").strip().lower() in ("0", "false", "no", "off"):
+    if env_off("NBLAUNCH_PRESTART"):
         return
     if "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         return

@@ -41,10 +41,12 @@ from typing import TYPE_CHECKING, Any
 from nblaunch import process_groups, worker
 from nblaunch.errors import DistributedHangError, RankFailedError
 from nblaunch.events import Diagnosis, Heartbeat, InFlightInfo, RunState
+from nblaunch.verdict import Cause, RootCause
 from nblaunch.worker import RankContext, add_task_hook, emit
 
 if TYPE_CHECKING:
-    from nblaunch.launcher import LaunchPlan, Run
+    from nblaunch.plan import LaunchPlan
+    from nblaunch.run import Run
 
 # Rank side: how often the task's thread is sampled, and how often a heartbeat is sent.
 SAMPLE_INTERVAL_S = 0.05
@@ -526,7 +528,7 @@ def with_source(where: str) -> str:
 class HangMonitor:
     """Stops runs whose ranks wait in collectives that can never complete; names stragglers.
 
-    A ``Monitor`` for :class:`nblaunch.launcher.Run`: ``on_event`` sees every rank event,
+    A ``Monitor`` for :class:`nblaunch.run.Run`: ``on_event`` sees every rank event,
     ``check`` is called about 20 times a second and returns a root cause to stop the run.
 
     Parameters
@@ -572,7 +574,7 @@ class HangMonitor:
             if all(r in self.returned for r in self.beats):  # every rank of the task returned
                 self._publish_straggler(run, final=True)
 
-    def check(self, run: Run) -> dict[str, Any] | None:
+    def check(self, run: Run) -> RootCause | None:
         if self._done:
             return None
         now = time.monotonic()
@@ -639,7 +641,7 @@ class HangMonitor:
             if run.states.get(rank) == RunState.STALLED:
                 run.set_state(rank, RunState.RUNNING)
 
-    def _returned_while_waiting(self, run: Run, now: float) -> dict[str, Any] | None:
+    def _returned_while_waiting(self, run: Run, now: float) -> RootCause | None:
         """A rank returned; another waits in a collective the returned rank never called."""
         if not self.returned:
             return None
@@ -700,7 +702,7 @@ class HangMonitor:
             )
         return self._root(run, first, headline, message, now, exited=first in self.exited)
 
-    def _no_progress(self, run: Run, now: float) -> dict[str, Any] | None:
+    def _no_progress(self, run: Run, now: float) -> RootCause | None:
         """Nothing moved for ``hang_timeout`` seconds and some rank waits in a collective."""
         if self.hang_timeout is None:
             return None
@@ -819,14 +821,7 @@ class HangMonitor:
         else:
             stacks = {r: cell_names(text) for r, text in stacks.items()}
             exception = DistributedHangError(cell_names(full), stacks=stacks)
-        return {
-            "kind": "hang",
-            "rank": rank,
-            "message": headline,
-            "secondary": False,
-            "exception": exception,
-            "title": headline,
-        }
+        return RootCause(Cause.HANG, rank, headline, exception=exception, title=headline)
 
     # --- stragglers ------------------------------------------------------------------------------
 

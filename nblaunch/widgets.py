@@ -27,8 +27,8 @@ from typing import Any, TextIO
 
 from nblaunch.events import Event, RunState
 from nblaunch.metrics import MetricSeries, render_svg
+from nblaunch.options import DISPLAY_MODES
 
-DISPLAY_MODES = ("auto", "widget", "text", "none")
 # Lines a LaunchView keeps on screen per rank; NBLAUNCH_VIEW_LINES changes it.
 DEFAULT_VIEW_LINES = 200
 # The static summary keeps each rank's last lines, within a total, each cut to a length.

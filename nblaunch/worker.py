@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nblaunch import containment
+from nblaunch.errors import safe_str
 from nblaunch.events import Event, Failure
 
 # Message kinds the parent sends down the task pipe.
@@ -438,14 +439,6 @@ def failure_event(rank: int, exc: BaseException) -> Failure:
         "exception_bytes": _pickle_exception(exc),
         "where": _innermost_user_frame(exc),
     }
-
-
-def safe_str(exc: BaseException) -> str:
-    """``str(exc)``, or a stand-in naming the type when the exception's ``__str__`` fails."""
-    try:
-        return str(exc)
-    except Exception as error:
-        return f"<{type(exc).__name__}: str() raised {type(error).__name__}: {error!r}>"
 
 
 def _pickle_exception(exc: BaseException) -> bytes | None:

@@ -26,6 +26,7 @@ from nblaunch.memory import (
     render_attempts,
     set_seed,
 )
+from nblaunch.verdict import Cause, RootCause
 from nblaunch.widgets import RecordingView
 
 REAL_OOM_BYTES = 10**13  # 10 TB: more than any test machine's RAM and swap
@@ -424,12 +425,12 @@ def test_monitor_restarts_when_a_peer_sits_in_a_collective():
     assert monitor.check(run) is None
     monitor.on_event(run, _beat(0, "all_reduce"))
     root = monitor.check(run)
-    assert root["kind"] == "restart"
-    assert "rank 0 in all_reduce (t.py:3 in f)" in root["message"]
-    resume = root["options"][memory.RESTART_OPTION]["0:train"]
+    assert root.cause is Cause.RESTART
+    assert "rank 0 in all_reduce (t.py:3 in f)" in root.message
+    resume = root.options[memory.RESTART_OPTION]["0:train"]
     assert resume["batch_size"] == 64
     assert resume["history"] == [{"batch_size": 128, "oom": [1], "restarted": True}]
-    assert isinstance(root["exception"], DistributedHangError)
+    assert isinstance(root.exception, DistributedHangError)
 
 
 def test_monitor_waits_for_a_busy_peer_and_clears_after_agreement(monkeypatch):
@@ -454,8 +455,8 @@ def test_monitor_without_heartbeats_restarts_after_a_while(monkeypatch):
     assert monitor.check(run) is None
     time.sleep(0.3)
     root = monitor.check(run)  # next size would be 0: no restart, the error instead
-    assert isinstance(root["exception"], NoExecutableBatchSizeError)
-    assert "tried 1" in root["message"]
+    assert isinstance(root.exception, NoExecutableBatchSizeError)
+    assert "tried 1" in root.message
 
 
 def test_searches_in_a_persistent_pool_stay_in_step_across_tasks():
@@ -494,13 +495,13 @@ def _fail_on_rank_1_before_search():
 def test_monitor_leaves_failures_to_the_launcher_and_reports_a_rank_that_returned():
     monitor, run = BatchSizeMonitor(_FakePlan()), _FakeRun()
     monitor.on_event(run, _waiting_event())
-    run.outcome.failures.append({"rank": 0, "kind": "failure"})
+    run.outcome.failures.append(RootCause(Cause.FAILURE, 0, "boom"))
     assert monitor.check(run) is None
     run.outcome.failures.clear()
     run.outcome.results[0] = b""
     root = monitor.check(run)
-    assert isinstance(root["exception"], DistributedHangError)
-    assert "rank(s) 0, which returned without calling it" in root["message"]
+    assert isinstance(root.exception, DistributedHangError)
+    assert "rank(s) 0, which returned without calling it" in root.message
 
 
 def _only_rank_1_searches():

@@ -229,12 +229,12 @@ def test_monitor_reports_a_rank_that_returned_while_another_waits(monkeypatch):
     assert hang.check(run) is None  # within the grace period
     clock[0] += 0.6
     root = hang.check(run)
-    assert root["rank"] == 1 and isinstance(root["exception"], DistributedHangError)
-    text = str(root["exception"])
+    assert root.rank == 1 and isinstance(root.exception, DistributedHangError)
+    text = str(root.exception)
     assert "rank 1 returned after 4 collectives" in text
     assert "rank 0 waits in all_reduce (collective #5) at train.py:10 in train" in text
     assert "set_trigger" in text and "stack of rank 0" in text
-    assert root["exception"].stacks[0] == "stack of rank 0"
+    assert root.exception.stacks[0] == "stack of rank 0"
     assert run.states[0] == RunState.STALLED
 
 
@@ -265,7 +265,7 @@ def test_monitor_without_sequence_numbers_waits_a_little_longer(monkeypatch):
     hang.on_event(run, beat(0, collective="barrier", still=3.0))
     root = hang.check(run)
     assert root is not None
-    assert "rank 1 returned after its last collective" in str(root["exception"])
+    assert "rank 1 returned after its last collective" in str(root.exception)
 
 
 def test_monitor_waits_for_hang_timeout_and_names_the_rank_outside_collectives(monkeypatch):
@@ -286,12 +286,12 @@ def test_monitor_waits_for_hang_timeout_and_names_the_rank_outside_collectives(m
     assert hang.check(run) is None  # 10.5 s, but not seen yet: no heartbeat says so
     beats(10.5)
     root = hang.check(run)
-    assert root["rank"] == 1
-    assert root["title"] == (
+    assert root.rank == 1
+    assert root.title == (
         "rank 1 of 2 is stuck at train.py:20 in train outside any collective, while rank 0 "
         "waits for it"
     )
-    assert "rank 0: in barrier (collective #1) at train.py:10 in train" in str(root["exception"])
+    assert "rank 0: in barrier (collective #1) at train.py:10 in train" in str(root.exception)
 
 
 def test_monitor_treats_a_rank_without_heartbeats_as_still(monkeypatch):
@@ -306,8 +306,8 @@ def test_monitor_treats_a_rank_without_heartbeats_as_still(monkeypatch):
     clock[0] += 1.0  # rank 1 has sent nothing for 9.5 s: its task thread holds the GIL
     hang.on_event(run, beat(0, collective="barrier", seq=1, still=10.5))
     root = hang.check(run)
-    assert root is not None and root["rank"] == 1
-    assert "no heartbeat for" in str(root["exception"])
+    assert root is not None and root.rank == 1
+    assert "no heartbeat for" in str(root.exception)
 
 
 def test_monitor_waits_for_fresh_heartbeats_after_a_rank_returned(monkeypatch):

@@ -1,0 +1,482 @@
+"""Planning a launch: check every argument, decide devices, backend, port and run directory,
+and serialise the function, before any process starts.
+
+Anything wrong is a ``LaunchError`` here, naming the argument and the fix; nothing has started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import multiprocessing
+import os
+import re
+import secrets
+import socket
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nblaunch import process_groups
+from nblaunch.errors import LaunchError
+from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DEVICE_TYPES, FALSE_VALUES, debug_from_env
+from nblaunch.supervisor import check_start_method
+from nblaunch.worker import SETUP
+
+# Run directories kept under the default base (NBLAUNCH_KEEP_RUNS changes it; 0 keeps all).
+KEEP_RUNS = 50
+# More CPU ranks than this per core are refused unless NBLAUNCH_MAX_PROCESSES allows them.
+CPU_RANKS_PER_CORE = 4
+
+
+@dataclass
+class LaunchPlan:
+    """Everything decided before a process starts."""
+
+    world_size: int
+    device_type: str
+    backend: str
+    start_method: str
+    master_addr: str
+    master_port: int
+    debug: bool
+    init_process_group: bool
+    timeout: float | None
+    hang_timeout: float | None
+    log_level: str | None
+    run_dir: Path | None
+    device_kind: str
+    warnings: list[str] = field(default_factory=list)
+    # Things the header says that are not problems, e.g. a variable set for Accelerate.
+    notes: list[str] = field(default_factory=list)
+    # Extra settings for in-rank features, e.g. where a restarted batch-size search resumes.
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """The parent's environment plus the torchrun contract for ``rank``."""
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_WORLD_SIZE=str(self.world_size),
+            GROUP_RANK="0",
+            ROLE_RANK=str(rank),
+            NODE_RANK="0",
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+            TORCHELASTIC_RUN_ID=self.run_id,
+        )
+        if self.debug:
+            env["NBLAUNCH_DEBUG"] = "1"
+        if self.log_level:
+            env["NBLAUNCH_LOG_LEVEL"] = self.log_level
+        if self.device_type == "cpu" and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(self.threads_per_rank)
+        if self.device_type == "cpu":
+            # Without it Accelerate's state, and so Transformers' Trainer, looks for a GPU,
+            # finds none and trains every rank alone (NOT_PARALLEL) despite the process group.
+            env.setdefault("ACCELERATE_USE_CPU", "1")
+        # The flight recorder names the collective a rank waits in (hang reports).
+        process_groups.enable_flight_recorder(env)
+        loopback = loopback_interface() if is_loopback(self.master_addr) else None
+        if loopback:  # keep single-node traffic on the loopback interface
+            env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+            env.setdefault("NCCL_SOCKET_IFNAME", loopback)
+        return env
+
+    @property
+    def threads_per_rank(self) -> int:
+        return max(1, (os.cpu_count() or 1) // self.world_size)
+
+    @property
+    def run_id(self) -> str:
+        return self.run_dir.name if self.run_dir else "nblaunch"
+
+    def setup_message(self, rank: int) -> dict[str, Any]:
+        return {
+            "kind": SETUP,
+            "env": self.rank_env(rank),
+            "sys_path": list(sys.path),
+            "cwd": os.getcwd(),
+            # What the caller's multiprocessing would use (a DataLoader's workers): "fork" on
+            # Linux, as under torchrun, not the forkserver that started the rank.
+            "mp_start_method": multiprocessing.get_start_method(),
+            "backend": self.backend,
+            "device_type": self.device_type,
+            "init_process_group": self.init_process_group,
+            "debug": self.debug,
+            "launcher_pid": os.getpid(),
+            "num_threads": self.threads_per_rank if self.device_type == "cpu" else None,
+            "options": {
+                "log_level": self.log_level,
+                "hang_timeout": self.hang_timeout,
+                **self.options,
+            },
+        }
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+
+def plan_launch(
+    function: Any,
+    num_processes: int | None,
+    *,
+    start_method: str = "forkserver",
+    debug: bool | None = None,
+    log_level: str | None = None,
+    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
+    timeout: float | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    setup_process_group: bool = True,
+    device_type: str | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+) -> LaunchPlan:
+    """Check the arguments and decide devices, backend, port and run directory.
+
+    Raises
+    ------
+    LaunchError
+        Naming the bad argument and what to pass instead.
+    """
+    if not callable(function):
+        raise LaunchError(
+            f"function must be callable, got {type(function).__name__} {function!r:.80}"
+        )
+    check_start_method(start_method)
+    for name, value in (("timeout", timeout), ("hang_timeout", hang_timeout)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+        ):
+            raise LaunchError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    warnings: list[str] = []
+    device_type, device_count, device_kind = detect_devices(device_type)
+    if num_processes is None:
+        if device_type == "cpu":
+            num_processes = 1
+            warnings.append(
+                "no GPU found: running 1 CPU rank; pass num_processes=N (%%distributed -n N) "
+                "for more CPU ranks"
+            )
+        else:
+            num_processes = device_count
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int):
+        raise LaunchError(
+            f"num_processes must be a whole number of ranks, got {num_processes!r} "
+            f"({type(num_processes).__name__})"
+        )
+    if num_processes < 1:
+        raise LaunchError(f"num_processes must be at least 1, got {num_processes}")
+    if device_type != "cpu" and num_processes > device_count:
+        raise LaunchError(
+            f"num_processes={num_processes} but only {device_count} {device_type.upper()} "
+            f"device(s) are visible; use at most {device_count}, or device_type='cpu'"
+        )
+    if device_type == "cpu":
+        _check_cpu_ranks(num_processes, warnings)
+    _check_working_directory()
+    from nblaunch.doctor import launch_warnings  # not at import: ~9 ms
+
+    warnings += launch_warnings(device_type, num_processes)  # old kernel, mixed GPUs
+    notes = _cpu_library_notes(device_type, num_processes, warnings)
+    port = choose_port(master_addr, master_port)
+    backend = {"cuda": "nccl", "cpu": "gloo", "xla": "xla"}[device_type]
+    return LaunchPlan(
+        world_size=num_processes,
+        device_type=device_type,
+        backend=backend,
+        start_method=start_method,
+        master_addr=master_addr,
+        master_port=port,
+        debug=debug_from_env() if debug is None else bool(debug),
+        init_process_group=bool(setup_process_group),
+        timeout=timeout,
+        hang_timeout=hang_timeout,
+        log_level=log_level
+        or os.environ.get("NBLAUNCH_LOG_LEVEL")
+        or os.environ.get("ACCELERATE_LOG_LEVEL"),
+        run_dir=_new_run_dir(run_dir),
+        device_kind=device_kind,
+        warnings=warnings,
+        notes=notes,
+    )
+
+
+def _check_cpu_ranks(num_processes: int, warnings: list[str]) -> None:
+    """Refuse far more CPU ranks than cores (each one is a process with torch loaded: ~300 MB);
+    ``NBLAUNCH_MAX_PROCESSES`` raises the limit. Warn when ranks will share cores."""
+    cores = os.cpu_count() or 1
+    limit = CPU_RANKS_PER_CORE * cores
+    raw = os.environ.get("NBLAUNCH_MAX_PROCESSES", "")
+    if raw.strip():
+        try:
+            limit = int(raw)
+        except ValueError:
+            raise LaunchError(
+                f"NBLAUNCH_MAX_PROCESSES={raw!r} is not a whole number of ranks"
+            ) from None
+    if num_processes > limit:
+        raise LaunchError(
+            f"num_processes={num_processes}: {num_processes} CPU ranks on {cores} cores is more "
+            f"than the limit of {limit} ({CPU_RANKS_PER_CORE} per core; each rank is a process "
+            "with torch loaded, about 300 MB). Use fewer ranks, or set "
+            f"NBLAUNCH_MAX_PROCESSES={num_processes} to go past the limit."
+        )
+    if num_processes > cores:
+        warnings.append(f"{num_processes} CPU ranks on {cores} cores: ranks will share cores")
+
+
+def _check_working_directory() -> None:
+    """Ranks start in the caller's working directory: it must still exist."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        was = os.environ.get("PWD")
+        raise LaunchError(
+            "the current working directory no longer exists"
+            + (f" (it was {was})" if was else "")
+            + "; os.chdir() to an existing directory (%cd in a notebook) and launch again."
+        ) from None
+
+
+def _cpu_library_notes(device_type: str, num_processes: int, warnings: list[str]) -> list[str]:
+    """Say that CPU ranks get ``ACCELERATE_USE_CPU=1`` (see ``LaunchPlan.rank_env``).
+
+    A value the caller set is kept; one that turns it off gets a warning instead of the note.
+    """
+    if device_type != "cpu":
+        return []
+    value = os.environ.get("ACCELERATE_USE_CPU")
+    if value is None:
+        return [
+            "CPU ranks: ACCELERATE_USE_CPU=1 set so Accelerate and Transformers run "
+            f"distributed on all {num_processes} ranks"
+        ]
+    if value.strip().lower() in FALSE_VALUES and num_processes > 1:
+        warnings.append(
+            f"ACCELERATE_USE_CPU={value} is set: Accelerate and Transformers will train each "
+            "CPU rank alone (NOT_PARALLEL); unset it to train on all ranks together"
+        )
+    return []
+
+
+def detect_devices(device_type: str | None) -> tuple[str, int, str]:
+    """Return (device type, how many, a name for the header)."""
+    import torch
+
+    if device_type is not None and device_type not in DEVICE_TYPES:
+        raise LaunchError(f"device_type={device_type!r} is not one of {', '.join(DEVICE_TYPES)}")
+    if device_type in (None, "xla") and _xla_available():
+        import torch_xla.runtime as xr  # type: ignore[import-not-found]
+
+        return "xla", int(xr.global_runtime_device_count()), "XLA"
+    if device_type == "xla":
+        raise LaunchError("device_type='xla' but torch_xla cannot be imported; install torch_xla")
+    # device_count() asks NVML and does not initialise CUDA, so fork stays possible.
+    count = torch.cuda.device_count() if device_type in (None, "cuda") else 0
+    if count:
+        return (
+            "cuda",
+            count,
+            torch.cuda.get_device_name(0) if torch.cuda.is_initialized() else "GPU",
+        )
+    if device_type == "cuda":
+        raise LaunchError("device_type='cuda' but no CUDA device is visible to torch")
+    return "cpu", os.cpu_count() or 1, "CPU"
+
+
+def _xla_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+@functools.lru_cache(maxsize=16)
+def is_loopback(address: str) -> bool:
+    try:
+        return socket.gethostbyname(address).startswith("127.")
+    except OSError:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def loopback_interface() -> str | None:
+    """Name of the network interface that carries 127.0.0.1 ("lo" on Linux)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses):
+            return name
+    return None
+
+
+def choose_port(master_addr: str, master_port: int | None) -> int:
+    """A free port on ``master_addr``, or check that the given one is free."""
+    if master_port is not None and (
+        isinstance(master_port, bool)
+        or not isinstance(master_port, int)
+        or not 0 < master_port < 65536
+    ):
+        raise LaunchError(f"master_port must be a port number (1-65535), got {master_port!r}")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((master_addr, master_port or 0))
+        except OSError as exc:
+            if master_port is None:
+                raise LaunchError(f"cannot listen on master_addr={master_addr!r}: {exc}") from None
+            raise LaunchError(
+                f"master_port={master_port} on {master_addr} is busy ({exc.strerror}); "
+                "pass another port, or master_port=None to pick a free one"
+            ) from None
+        return probe.getsockname()[1]
+
+
+def _new_run_dir(run_dir: str | os.PathLike[str] | None) -> Path:
+    """Make the run's directory (rank logs) now, so a bad one fails before any rank starts.
+
+    Raises
+    ------
+    LaunchError
+        The directory cannot be made or written, naming it and how to choose another.
+    """
+    base = None
+    if run_dir is not None:
+        path, chosen_by = Path(run_dir), "run_dir="
+    else:
+        base = Path(os.environ.get("NBLAUNCH_RUN_DIR", ".nblaunch/runs"))
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = base / f"{stamp}-{secrets.token_hex(3)}"
+        chosen_by = "NBLAUNCH_RUN_DIR" if "NBLAUNCH_RUN_DIR" in os.environ else "the default"
+    try:
+        # Private: the logs hold whatever the ranks print, tokens included.
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = None if os.access(path, os.W_OK) else "it is not writable"
+    except OSError as exc:
+        problem = f"{type(exc).__name__}: {exc.strerror or exc}"
+    if problem:
+        raise LaunchError(
+            f"cannot use {path} (from {chosen_by}) for the run's logs: {problem}. Pass "
+            "run_dir= a directory you can write to (or set NBLAUNCH_RUN_DIR)."
+        )
+    if base is not None:
+        _prune_runs(base, keep=path)
+    return path
+
+
+# A run directory nblaunch named itself: "20261203-084512-3fa9c1".
+_RUN_DIR_NAME = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
+
+
+def _prune_runs(base: Path, keep: Path) -> None:
+    """Remove the oldest of nblaunch's own run directories under ``base``, keeping the newest
+    ``NBLAUNCH_KEEP_RUNS`` (default ``KEEP_RUNS``; 0 keeps every one). Best effort."""
+    import shutil
+
+    try:
+        limit = int(os.environ.get("NBLAUNCH_KEEP_RUNS", KEEP_RUNS))
+        with os.scandir(base) as entries:  # no stat per entry: this runs at every launch
+            runs = sorted(e.path for e in entries if _RUN_DIR_NAME.match(e.name) and e.is_dir())
+    except (OSError, ValueError):
+        return
+    if limit <= 0:
+        return
+    for old in runs[: max(0, len(runs) - limit)]:  # names sort by time
+        if old != str(keep):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# --- the payload ---------------------------------------------------------------------------------
+
+
+def serialize_payload(
+    function: Any, args: tuple[Any, ...] | list[Any] = (), kwargs: dict[str, Any] | None = None
+) -> bytes:
+    """Pickle ``(function, args, kwargs)`` with cloudpickle.
+
+    Raises
+    ------
+    LaunchError
+        When something does not pickle, naming the object (``args[1]``, ``kwargs['f']``, the
+        variable ``lock`` the function uses) and its type.
+    """
+    from nblaunch import pickling
+
+    if not isinstance(args, (tuple, list)):
+        raise LaunchError(f"args must be a tuple of arguments, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise LaunchError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    try:
+        return pickling.dumps((function, tuple(args), dict(kwargs or {})))
+    except Exception as exc:
+        culprit = find_unpicklable(function, args, kwargs or {})
+        what = culprit or "the function or its arguments"
+        raise LaunchError(
+            f"{what} cannot be sent to the ranks: {type(exc).__name__}: {exc}. "
+            "Ranks are separate processes; create such objects inside the function instead "
+            "of passing them in."
+        ) from None
+
+
+def find_unpicklable(function: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
+    """Name the first object in the payload that does not pickle, e.g. ``args[0]['lock']``."""
+    candidates: list[tuple[str, Any]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
+    candidates += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    candidates += [
+        (f"variable {name!r} used by the function", value)
+        for name, value in _function_references(function)
+    ]
+    for label, value in candidates:
+        found = first_unpicklable(label, value, depth=0)
+        if found:
+            return found
+    return None
+
+
+def _function_references(function: Any) -> list[tuple[str, Any]]:
+    """Closure cells, referenced globals, defaults and bound objects of a function."""
+    refs: list[tuple[str, Any]] = []
+    if isinstance(function, types.MethodType):
+        refs.append(("self", function.__self__))
+        function = function.__func__
+    if hasattr(function, "func") and hasattr(function, "args"):  # functools.partial
+        refs += [(f"partial argument {i}", a) for i, a in enumerate(function.args)]
+        refs += [(f"partial argument {k}", v) for k, v in (function.keywords or {}).items()]
+        function = function.func
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return refs
+    for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=False):
+        with contextlib.suppress(ValueError):
+            refs.append((name, cell.cell_contents))
+    module_globals = getattr(function, "__globals__", {})
+    refs += [(name, module_globals[name]) for name in code.co_names if name in module_globals]
+    refs += [(f"default {i}", d) for i, d in enumerate(function.__defaults__ or ())]
+    return refs
+
+
+def first_unpicklable(label: str, value: Any, depth: int) -> str | None:
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(value)
+        return None
+    except Exception:
+        pass
+    if depth < 3:
+        items: list[tuple[str, Any]] = []
+        if isinstance(value, dict):
+            items = [(f"{label}[{k!r}]", v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            items = [(f"{label}[{i}]", v) for i, v in enumerate(value)]
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            items = [(f"{label}.{k}", v) for k, v in vars(value).items()]
+        for sub_label, sub_value in items:
+            found = first_unpicklable(sub_label, sub_value, depth + 1)
+            if found:
+                return found
+    return f"{label} (a {type(value).__module__}.{type(value).__qualname__})"

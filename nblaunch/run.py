@@ -1,0 +1,350 @@
+"""The run engine: start the ranks, relay what they say, find the root cause, stop, report.
+
+:class:`Run` starts the ranks (:class:`~nblaunch.supervisor.Supervisor`), sends each its setup
+and task, pumps the relay, lets the monitors (hang watchdog, out-of-memory restarts) watch every
+event, settles on a root cause (the first *primary* failure, never a rank that only saw its peer
+die) and asks :mod:`nblaunch.verdict` what the caller gets. The one-shot launch, the persistent
+pool and the multi-node head all drive it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nblaunch import verdict
+from nblaunch.events import Event, EventSink, RunState
+from nblaunch.features import parent_monitors
+from nblaunch.plan import LaunchPlan, choose_port
+from nblaunch.relay import Relay
+from nblaunch.supervisor import Supervisor
+from nblaunch.verdict import Cause, Outcome, RootCause
+from nblaunch.worker import STOP, TASK
+
+# After a root cause, how long the other ranks get to stop before SIGKILL.
+STOP_GRACE_S = 2.0
+# How long the other ranks get to stop once a root cause (a failure, a death, a hang) is known.
+KNOWN_CAUSE_GRACE_S = 0.5
+
+
+# --- running -------------------------------------------------------------------------------------
+
+
+class Run:
+    """One launch: start the ranks, watch them, stop them, report.
+
+    Parameters
+    ----------
+    plan
+        The validated launch plan.
+    view
+        Where events go (widget, text, none).
+    """
+
+    def __init__(self, plan: LaunchPlan, view: EventSink) -> None:
+        self.plan = plan
+        self.view = view
+        self.supervisor = Supervisor(plan.world_size, plan.start_method)
+        self.relay: Relay | None = None
+        self.outcome = Outcome()
+        self.started_at = time.time()
+        self.states: dict[int, RunState] = {}
+        self.monitors = parent_monitors(plan)
+        self.task_ranks: list[int] = list(range(plan.world_size))  # the ranks running a task
+
+    def execute(self, payload: bytes) -> list[Any]:
+        """Run the payload on every rank and return the results, or raise the root cause."""
+        __tracebackhide__ = True
+        interrupted = False
+        try:
+            self.start()
+            self.send_task(payload)
+            self.watch()
+            while self._restart_requested():  # e.g. a peer's out-of-memory left ranks blocked
+                self._restart(payload)
+                self.watch()
+        except KeyboardInterrupt:
+            interrupted = True
+            self.stop_on_interrupt()
+        finally:
+            self.finish()
+        if interrupted:
+            raise KeyboardInterrupt
+        return self.conclude()
+
+    def start(self) -> None:
+        """Start the ranks, open the relay, announce the run and send every rank its setup."""
+        self.supervisor.start(setup=self.plan.setup_message)
+        self.relay = Relay(self.supervisor.ranks, self.view, self.plan.run_dir)
+        self.announce()
+        for rank in self.supervisor.ranks:
+            self.set_state(rank.rank, RunState.STARTING)
+
+    def announce(self, warnings: list[str] | None = None, notes: list[str] | None = None) -> None:
+        """Publish the run's header (``RunInfo``); a pool sends one per task, to each new view."""
+        plan = self.plan
+        self.publish(
+            {
+                "kind": "run_info",
+                "world_size": plan.world_size,
+                "device_kind": plan.device_kind,
+                "start_method": plan.start_method,
+                "debug": plan.debug,
+                "run_dir": str(plan.run_dir) if plan.run_dir else "",
+                "warnings": plan.warnings if warnings is None else warnings,
+                "notes": plan.notes if notes is None else notes,
+                "started_at": self.started_at,
+            }
+        )
+
+    def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
+        """Send one task to ``ranks`` (default: all); the run then waits for those ranks only."""
+        self.task_ranks = list(range(self.plan.world_size)) if ranks is None else list(ranks)
+        message = {
+            "kind": TASK,
+            "payload": payload,
+            "task_id": task_id,
+            # Only a task on every rank may make the default group again (a collective).
+            "all_ranks": len(self.task_ranks) == self.plan.world_size,
+        }
+        for rank in self.task_ranks:
+            self.supervisor.send(self.supervisor.ranks[rank], message)
+
+    def publish(self, event: Event) -> None:
+        if self.relay is not None:
+            self.relay.publish(event)
+        else:
+            self.view.handle(event)
+
+    def set_state(self, rank: int, state: RunState, detail: str = "") -> None:
+        if self.states.get(rank) == state and not detail:
+            return
+        self.states[rank] = state
+        self.publish({"kind": "state", "rank": rank, "state": state, "detail": detail})
+
+    # --- watching --------------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """Relay until every rank returned, a root cause is known, or the timeout runs out."""
+        assert self.relay is not None
+        outcome = self.outcome
+        deadline = None if self.plan.timeout is None else time.monotonic() + self.plan.timeout
+        while True:
+            for event in self.relay.poll(0.05):
+                self.on_event(event)
+            for rank in self.supervisor.reap():
+                for event in self.relay.drain_events(rank.rank):
+                    self.on_event(event)
+                if rank.rank not in outcome.finished:
+                    self.on_death(rank.rank, rank.exitcode)
+            if len(outcome.results) == len(self.task_ranks):
+                return
+            for monitor in self.monitors:
+                root = monitor.check(self)
+                if root is not None:
+                    outcome.root = root
+                    return
+            root = verdict.settle(outcome, self.task_ranks, time.monotonic())
+            if root is not None:
+                outcome.root = root
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                self._on_timeout()
+                return
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        for monitor in self.monitors:
+            monitor.on_event(self, event)
+        kind = event["kind"]
+        rank = event.get("rank")
+        if kind == "started":
+            self.set_state(rank, RunState.RUNNING)
+        elif kind == "result":
+            self.outcome.results[rank] = event["value_bytes"]
+        elif kind == "failure":
+            failure = RootCause.from_failure(event, received_at=time.monotonic())
+            self.outcome.failures.append(failure)
+            self.set_state(rank, RunState.FAILED, failure.outcome_words()[:200])
+        elif kind == "finished":
+            self.outcome.finished.add(rank)
+            if rank in self.outcome.results:
+                self.set_state(rank, RunState.DONE)
+        elif kind == "progress" and event.get("what") == "batch_size":
+            data = event.get("data") or {}
+            state = RunState.RUNNING if data.get("done") else RunState.RETRYING
+            for each in data.get("ranks", [rank]):  # one rank speaks for all after agreeing
+                if self.states.get(each) in (RunState.RUNNING, RunState.RETRYING):
+                    self.set_state(each, state)
+
+    def _restart_requested(self) -> bool:
+        root = self.outcome.root
+        # Only ranks this node started itself can be started again (not a multi-node run's);
+        # otherwise the request's own exception is raised.
+        return (
+            root is not None and root.cause is Cause.RESTART and type(self.supervisor) is Supervisor
+        )
+
+    def _restart(self, payload: bytes) -> None:
+        """Stop every rank and start them again with the setup options a monitor asked for.
+
+        ``nblaunch.memory.BatchSizeMonitor`` asks for this when a rank ran out of memory while
+        its peers were blocked in a collective of the same step: only fresh processes, all at
+        the smaller batch size, can go on from there. Output and log files carry on.
+        """
+        request = self.outcome.root
+        assert request is not None and self.relay is not None
+        if request.progress:
+            self.publish(request.progress)
+        old = self.supervisor
+        old.stop(grace=STOP_GRACE_S)
+        self.relay.drain_output(timeout=1.0)
+        for rank in old.ranks:
+            self.relay.remove(rank)
+        old.close()
+        self.plan.options.update(request.options)
+        self.plan.master_port = choose_port(self.plan.master_addr, None)
+        self.outcome = Outcome()
+        self.monitors = parent_monitors(self.plan)  # fresh processes, fresh observations
+        self.supervisor = Supervisor(self.plan.world_size, self.plan.start_method)
+        self.supervisor.start(setup=self.plan.setup_message)
+        for rank in self.supervisor.ranks:
+            self.relay.add(rank)
+            self.set_state(rank.rank, RunState.STARTING, request.message)
+        self.send_task(payload)
+
+    def on_death(self, rank: int, exitcode: int | None) -> None:
+        death = RootCause.death(rank, exitcode)
+        self.outcome.finished.add(rank)
+        self.outcome.failures.append(death)
+        self.set_state(rank, RunState.FAILED, death.message)
+
+    def _on_timeout(self) -> None:
+        running = sorted(r for r in range(self.plan.world_size) if r not in self.outcome.finished)
+        names = ", ".join(str(r) for r in running)
+        self.outcome.root = RootCause(
+            Cause.TIMEOUT,
+            running[0] if running else 0,
+            f"timeout={self.plan.timeout:g} s ran out with rank(s) {names} of "
+            f"{self.plan.world_size} still running; they were stopped",
+        )
+
+    # --- stopping --------------------------------------------------------------------------------
+
+    def stop_on_interrupt(self) -> None:
+        """The notebook was interrupted: SIGINT every rank, then escalate; within ~5 s in all."""
+        try:
+            self.supervisor.interrupt()
+            deadline = time.monotonic() + 1.5
+            while self.supervisor.alive() and time.monotonic() < deadline:
+                if self.relay is not None:
+                    self.relay.poll(0.05)
+                self.supervisor.reap()
+                if all(r.rank in self.outcome.finished or r.ended for r in self.supervisor.ranks):
+                    break
+        except KeyboardInterrupt:
+            pass  # a second interrupt: go straight on to stopping
+        for rank in range(self.plan.world_size):
+            if self.states.get(rank) not in (RunState.DONE, RunState.FAILED):
+                self.set_state(rank, RunState.STOPPED, "interrupted")
+
+    def finish(self) -> None:
+        """Stop every rank (asking nicely first when the run went well) and close everything."""
+        supervisor = self.supervisor
+        ok = len(self.outcome.results) == self.plan.world_size
+        try:
+            if ok:
+                # The watch loop ends at the last Result; that rank's Finished may not be read yet.
+                for rank in sorted(self.outcome.results):
+                    self.set_state(rank, RunState.DONE)
+                for rank in supervisor.ranks:
+                    supervisor.send(rank, {"kind": STOP})
+                self._relay_until_hung_up(timeout=5.0)
+            else:
+                reason = self._stop_reason()
+                for rank in range(self.plan.world_size):
+                    if rank not in self.outcome.finished and self.states.get(rank) in (
+                        RunState.STARTING,
+                        RunState.RUNNING,
+                        RunState.STALLED,
+                    ):
+                        self.set_state(rank, RunState.STOPPED, reason)
+            root = self.outcome.root
+            if root is not None and root.cause in (Cause.FAILURE, Cause.DEATH, Cause.HANG):
+                # The cause is known and the others are most likely blocked in a collective
+                # they cannot finish: they get half a second, and being killed is no news.
+                supervisor.stop(grace=KNOWN_CAUSE_GRACE_S, quiet=True)
+            else:
+                supervisor.stop(grace=STOP_GRACE_S)
+        except KeyboardInterrupt:
+            supervisor.stop(grace=0.0)
+            raise
+        finally:
+            if self.relay is not None:
+                self.relay.drain_output(timeout=1.0)
+                self.publish(self.run_ended(ok))
+                self.relay.close()
+            supervisor.close()
+            self.view.close()
+
+    def _stop_reason(self) -> str:
+        """Why the ranks still running are being stopped, for their badges."""
+        root = self.outcome.root
+        if root is None:
+            return "stopped"
+        if root.cause is Cause.HANG:
+            return "stopped: the ranks could not make progress (see the error)"
+        if root.cause is Cause.TIMEOUT:
+            return f"stopped: timeout={self.plan.timeout:g} s ran out"
+        return f"stopped after rank {root.rank} failed"
+
+    def _relay_until_hung_up(self, timeout: float) -> None:
+        """Keep reading output while the stopped ranks shut down, until each has closed its
+        pipes (its last words) or exited; those still exiting are left to exit on their own."""
+        assert self.relay is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.supervisor.reap()
+            if all(self.relay.hung_up(rank.rank) for rank in self.supervisor.alive()):
+                break
+            self.relay.poll(0.01)
+        self.supervisor.let_go([r for r in self.supervisor.alive() if self.relay.hung_up(r.rank)])
+
+    def run_ended(self, ok: bool) -> Event:
+        outcomes: dict[int, str] = {}
+        for rank in self.task_ranks:
+            if rank in self.outcome.results:
+                outcomes[rank] = "returned"
+            else:
+                failure = next((f for f in self.outcome.failures if f.rank == rank), None)
+                outcomes[rank] = "stopped" if failure is None else failure.outcome_words()
+        return {
+            "kind": "run_ended",
+            "ok": ok,
+            "elapsed_s": time.time() - self.started_at,
+            "ranks": outcomes,
+        }
+
+    # --- reporting -------------------------------------------------------------------------------
+
+    def conclude(self) -> list[Any]:
+        """Return the results by rank, or raise the root cause."""
+        __tracebackhide__ = True
+        outcome = self.outcome
+        if outcome.root is None and len(outcome.results) == len(self.task_ranks):
+            return verdict.values(outcome, self.task_ranks)
+        root = outcome.root or RootCause(Cause.TIMEOUT, 0, "no rank reported")
+        raise self.exception_for(root)
+
+    def exception_for(self, root: RootCause) -> BaseException:
+        """The exception to raise in the notebook for ``root``; the view shows its diagnosis."""
+        context = verdict.Context(
+            world_size=self.plan.world_size,
+            task_ranks=tuple(self.task_ranks),
+            debug=self.plan.debug,
+            run_dir=self.plan.run_dir,
+            tails=self.relay.tails if self.relay is not None else {},
+        )
+        exc, diagnosis = verdict.exception_for(root, self.outcome, context)
+        if diagnosis is not None:
+            self.publish(diagnosis)
+        return exc
