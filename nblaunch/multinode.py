@@ -546,19 +546,7 @@ class Head:
         config = {**plan.node_config(), "rdzv_timeout": timeout}
         self.store.set(keys.config, self.secret.seal(config, keys.config))
         self.store.set(keys.payload, self.secret.seal(payload, keys.payload))
-        self._show(
-            {
-                "kind": "run_info",
-                "world_size": plan.world_size,
-                "device_kind": plan.device_kind,
-                "start_method": plan.start_method,
-                "debug": plan.debug,
-                "run_dir": str(plan.run_dir) if plan.run_dir else "",
-                "warnings": plan.warnings,
-                "notes": plan.notes,
-                "started_at": time.time(),
-            }
-        )
+        self._show(plan.run_info(time.time()))
         others = plan.num_nodes - 1
         if others:
             self.info(

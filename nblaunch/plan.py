@@ -22,6 +22,7 @@ from typing import Any
 
 from nblaunch import process_groups
 from nblaunch.errors import LaunchError
+from nblaunch.events import RunInfo
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DEVICE_TYPES, FALSE_VALUES, debug_from_env
 from nblaunch.supervisor import check_start_method
 from nblaunch.worker import SETUP
@@ -95,6 +96,22 @@ class LaunchPlan:
     @property
     def run_id(self) -> str:
         return self.run_dir.name if self.run_dir else "nblaunch"
+
+    def run_info(
+        self, started_at: float, warnings: list[str] | None = None, notes: list[str] | None = None
+    ) -> RunInfo:
+        """The run's header for the views (``warnings``/``notes``: in place of the plan's)."""
+        return {
+            "kind": "run_info",
+            "world_size": self.world_size,
+            "device_kind": self.device_kind,
+            "start_method": self.start_method,
+            "debug": self.debug,
+            "run_dir": str(self.run_dir) if self.run_dir else "",
+            "warnings": self.warnings if warnings is None else warnings,
+            "notes": self.notes if notes is None else notes,
+            "started_at": started_at,
+        }
 
     def setup_message(self, rank: int) -> dict[str, Any]:
         return {

@@ -82,20 +82,7 @@ class Run:
 
     def announce(self, warnings: list[str] | None = None, notes: list[str] | None = None) -> None:
         """Publish the run's header (``RunInfo``); a pool sends one per task, to each new view."""
-        plan = self.plan
-        self.publish(
-            {
-                "kind": "run_info",
-                "world_size": plan.world_size,
-                "device_kind": plan.device_kind,
-                "start_method": plan.start_method,
-                "debug": plan.debug,
-                "run_dir": str(plan.run_dir) if plan.run_dir else "",
-                "warnings": plan.warnings if warnings is None else warnings,
-                "notes": plan.notes if notes is None else notes,
-                "started_at": self.started_at,
-            }
-        )
+        self.publish(self.plan.run_info(self.started_at, warnings, notes))
 
     def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
         """Send one task to ``ranks`` (default: all); the run then waits for those ranks only."""
