@@ -1,5 +1,6 @@
 """nblaunch: run distributed PyTorch from a Jupyter notebook, and see what every rank does."""
 
+from nblaunch.debugger import breakpoint
 from nblaunch.errors import (
     AuthenticationError,
     DistributedHangError,
@@ -49,6 +50,7 @@ __all__ = [
     "RankFailedError",
     "RendezvousTimeoutError",
     "all_reduce",
+    "breakpoint",
     "broadcast",
     "broadcast_object_list",
     "check_trigger",

@@ -22,6 +22,7 @@ class RunState(str, enum.Enum):
     STARTING = "STARTING"
     RUNNING = "RUNNING"
     RETRYING = "RETRYING"
+    DEBUGGING = "DEBUGGING"  # waiting in the debugger for the person's next command
     STALLED = "STALLED"
     FAILED = "FAILED"
     DONE = "DONE"
@@ -212,8 +213,9 @@ class EventSink(Protocol):
     def handle(self, event: Event) -> None:
         """Take one record; must be cheap (coalesce, render later in ``flush``)."""
 
-    def flush(self) -> None:
-        """Called often by the relay (tens of times a second): render what changed."""
+    def flush(self, force: bool = False) -> None:
+        """Called often by the relay (tens of times a second): render what changed, at a rate
+        the view chooses, or now when ``force`` (the thread is about to block)."""
 
     def close(self) -> None:
         """The run is over: render the final state."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from nblaunch.errors import LaunchError
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
 from nblaunch.plan import (  # noqa: F401  (kept importable from here)
     LaunchPlan,
@@ -47,6 +48,7 @@ def notebook_launcher(
     device_type: str | None = None,
     run_dir: str | os.PathLike[str] | None = None,
     display: str = "auto",
+    debug_on_error: bool = False,
     num_nodes: int = 1,
     rdzv_endpoint: str | None = None,
     rdzv_timeout: float | None = None,
@@ -85,6 +87,9 @@ def notebook_launcher(
         Where per-rank logs go (default ``.nblaunch/runs/<time>-<id>``).
     display
         ``"auto"`` (widget in a notebook, text elsewhere), ``"widget"``, ``"text"``, ``"none"``.
+    debug_on_error
+        A rank whose function raises opens the debugger at the failing frame (post-mortem,
+        prompts in the notebook) before the failure is reported and the others are stopped.
     num_nodes, rdzv_endpoint, rdzv_timeout
         Run on ``num_nodes`` machines, ``num_processes`` ranks on each: this machine hosts the
         rendezvous on ``rdzv_endpoint`` (``"host:port"``, one of its own addresses) and prints
@@ -116,6 +121,11 @@ def notebook_launcher(
 
     refuse_if_running("notebook_launcher")  # a persistent pool holds the devices
     if num_nodes != 1 or rdzv_endpoint is not None:
+        if debug_on_error:
+            raise LaunchError(
+                "debug_on_error=True works on one machine only: its prompts cannot reach "
+                "another node's ranks; debug on one node, then scale out"
+            )
         from nblaunch.multinode import launch_multinode  # not at import: ~9 ms, rarely used
 
         return launch_multinode(
@@ -149,6 +159,7 @@ def notebook_launcher(
         setup_process_group=setup_process_group,
         device_type=device_type,
         run_dir=run_dir,
+        debug_on_error=debug_on_error,
     )
     payload = serialize_payload(function, args, kwargs)
     from nblaunch.widgets import DeferredView, LaunchView, make_view  # not at import: ~12 ms

@@ -146,6 +146,13 @@ class DistributedMagics(Magics):
         help="check every collective for mismatched shapes, dtypes and operations",
     )
     @magic_arguments.argument(
+        "--pdb",
+        action="store_true",
+        default=None,
+        help="a rank that raises opens the debugger at the failing frame (post-mortem) before "
+        "the others are stopped; on a pool, use %%dist debug after the cell failed",
+    )
+    @magic_arguments.argument(
         "--log-level",
         type=_log_level,
         default=None,
@@ -268,6 +275,7 @@ class DistributedMagics(Magics):
                         DEFAULT_HANG_TIMEOUT_S if args.hang_timeout is None else args.hang_timeout
                     ),
                     display="auto",
+                    debug_on_error=bool(args.pdb),
                     num_nodes=args.nodes,
                     rdzv_endpoint=args.rdzv_endpoint,
                     rdzv_timeout=args.rdzv_timeout,
@@ -397,6 +405,11 @@ def _refuse_launch_options(args: Any) -> None:
         )
         if value is not None
     ]
+    if args.pdb:
+        raise UsageError(
+            "--pdb: a pool keeps the failing rank's frames; after the cell fails, %dist debug "
+            "opens the debugger there"
+        )
     if given:
         raise UsageError(
             f"{', '.join(given)}: a pool is running (%dist status) and keeps the options it "
@@ -457,6 +470,15 @@ register_dist_command(
 register_dist_command("status", "nblaunch.pool:dist_status", "the pool's ranks, pids, memory")
 register_dist_command("restart", "nblaunch.pool:dist_restart", "fresh ranks, same options")
 register_dist_command("stop", "nblaunch.pool:dist_stop", "stop the pool's ranks")
+register_dist_command(
+    "debug", "nblaunch.pool:dist_debug", "[--rank R]  post-mortem of the last failed cell"
+)
+register_dist_command(
+    "pull", "nblaunch.pool:dist_pull", "NAME [--rank R]  a rank's variable, copied to the notebook"
+)
+register_dist_command(
+    "push", "nblaunch.pool:dist_push", "NAME [--ranks R]  a notebook variable, sent to the ranks"
+)
 
 
 # --- the extension -------------------------------------------------------------------------------

@@ -153,6 +153,7 @@ def plan_launch(
     setup_process_group: bool = True,
     device_type: str | None = None,
     run_dir: str | os.PathLike[str] | None = None,
+    debug_on_error: bool = False,
 ) -> LaunchPlan:
     """Check the arguments and decide devices, backend, port and run directory.
 
@@ -221,6 +222,8 @@ def plan_launch(
         device_kind=device_kind,
         warnings=warnings,
         notes=notes,
+        # nblaunch.debugger reads it in the ranks (kept out of the options when off).
+        options={"debug_on_error": True} if debug_on_error else {},
     )
 
 

@@ -35,6 +35,7 @@ import time
 import warnings
 from typing import Any
 
+from nblaunch import debugger, worker
 from nblaunch.errors import LaunchError
 from nblaunch.events import RunState
 from nblaunch.features import parent_monitors
@@ -193,6 +194,7 @@ class Pool:
         self.start_s = 0.0  # how long the last start took
         self.tasks_run = 0
         self.last_task = ""  # what ran last, and how it ended
+        self.last_failed_rank: int | None = None  # whose failure %dist debug opens
         self.current_task = ""
         self.restarts = 0
         self._run: Any = None  # nblaunch.run.Run
@@ -316,6 +318,57 @@ class Pool:
         payload = serialize_payload(function, args, kwargs)
         return self.run_payload(payload, ranks=chosen, description=_describe_function(function))
 
+    def pull(self, name: str, rank: int = 0) -> Any:
+        """A CPU copy of the value ``name`` has in ``rank``'s namespace (``%dist pull``).
+
+        Raises
+        ------
+        NameError
+            The rank has no such name.
+        TypeError
+            The value cannot be pickled back to the notebook.
+        """
+        (value,) = self.run_payload(
+            serialize_payload(_pull_value, (name,)), ranks=[rank], display="none"
+        )
+        return value
+
+    def push(self, name: str, value: Any, ranks: Any = None) -> None:
+        """Bind ``name`` to ``value`` in every rank's namespace (or ``ranks``'), as a cell would.
+
+        Raises
+        ------
+        LaunchError
+            The value cannot be pickled (nothing was sent).
+        """
+        chosen = None if ranks is None else parse_ranks(ranks, self.world_size)
+        import cloudpickle
+
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:
+            raise LaunchError(
+                f"{name} (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
+                f"sent to the ranks: {type(exc).__name__}: {exc}. Make it on the ranks, in a "
+                "%%distributed cell, instead."
+            ) from None
+        payload = serialize_payload(_push_value, (name, value))
+        self.run_payload(payload, ranks=chosen, description=f"push {name}", display="none")
+
+    def debug(self, rank: int | None = None) -> None:
+        """Open the debugger at the failing frame of the last cell's failure (``%dist debug``).
+
+        Raises
+        ------
+        LaunchError
+            No cell failed since the pool (re)started, or not on ``rank``.
+        """
+        rank = self.last_failed_rank if rank is None else rank
+        if rank is None:
+            raise LaunchError("%dist debug: the last cell did not fail with an exception")
+        payload = serialize_payload(_post_mortem_on_rank, ())
+        self.run_payload(payload, ranks=[rank], description=f"post-mortem on rank {rank}")
+
     def run_cell(
         self,
         task: Any,
@@ -347,6 +400,7 @@ class Pool:
         chosen = None if ranks is None else parse_ranks(ranks, self.world_size)
         if chosen is not None:
             task.main_rank = chosen[0]
+        self.last_failed_rank = None  # each cell's ranks forget the previous cell's failure
         payload = serialize_payload(run_cell_on_rank, (task,))
         values = self.run_payload(
             payload,
@@ -677,6 +731,7 @@ class Pool:
         # A rank's own error or death seen during the interrupt comes before the interrupt.
         root = outcome.root or next(iter(outcome.failures), None)
         if root is not None:
+            self.last_failed_rank = root.rank if root.cause is Cause.FAILURE else None
             exc = run.exception_for(root)
         else:
             exc = recreate_exception(stopped[0], run.plan.world_size) if stopped else None
@@ -826,8 +881,6 @@ def _rank_info() -> dict[str, Any]:
     """Runs on each rank for ``%dist status``: device memory and the names cells defined."""
     import torch
 
-    from nblaunch import worker
-
     context = worker.current()
     device = context.device if context else torch.device("cpu")
     info: dict[str, Any] = {"device": str(device), "device_mb": None}
@@ -843,7 +896,27 @@ def _rank_info() -> dict[str, Any]:
 
 def run_cell_on_rank(task: Any) -> Any:
     """On a rank: run a ``%%distributed`` cell in the namespace this rank keeps between cells."""
+    debugger.forget_failure()  # %dist debug opens the last cell's failure
     return task(_namespace)
+
+
+def _pull_value(name: str) -> Any:
+    """On a rank: the value of ``name`` in its namespace, ready for the notebook."""
+    from nblaunch.cell import to_notebook
+
+    if name not in _namespace:
+        defined = ", ".join(n for n in sorted(_namespace) if not n.startswith("_")) or "none"
+        raise NameError(f"rank {worker.rank()} has no name {name!r} (its names: {defined})")
+    return to_notebook(_namespace[name])
+
+
+def _push_value(name: str, value: Any) -> None:
+    """On a rank: bind ``name`` in its namespace, as a cell assigning it would."""
+    _namespace[name] = value
+
+
+def _post_mortem_on_rank() -> None:
+    debugger.post_mortem_last()
 
 
 def _describe_cell(source: str) -> str:
@@ -970,3 +1043,78 @@ def dist_status(line: str) -> None:
         if pool is not None
         else "nblaunch pool: none is running; %dist start -n N starts one"
     )
+
+
+# --- %dist debug / pull / push ------------------------------------------------------------------
+
+
+def _running_pool(command: str) -> Pool:
+    from IPython.core.error import UsageError
+
+    pool = current_pool()
+    if pool is None:
+        raise UsageError(f"%dist {command}: no pool is running; start one with %dist start -n N")
+    return pool
+
+
+def _name_and_ranks(line: str, command: str) -> tuple[str, str | None]:
+    """``NAME [--rank R]`` (``--ranks`` for push), as the %dist commands take them."""
+    from IPython.core.error import UsageError
+
+    words = line.split()
+    flag = "--ranks" if command == "push" else "--rank"
+    ranks = None
+    if flag in words:
+        at = words.index(flag)
+        if at + 1 >= len(words):
+            raise UsageError(f"%dist {command}: {flag} needs a value, e.g. {flag} 1")
+        ranks = words[at + 1]
+        del words[at : at + 2]
+    if len(words) != 1 or not words[0].isidentifier():
+        raise UsageError(f"%dist {command} NAME [{flag} R]: one variable name, got {line!r}")
+    return words[0], ranks
+
+
+def dist_debug(line: str) -> None:
+    """``%dist debug [--rank R]``: post-mortem of the last failed cell, on the rank it failed."""
+    from IPython.core.error import UsageError
+
+    pool = _running_pool("debug")
+    words = line.split()
+    rank = None
+    if words:
+        if len(words) != 2 or words[0] != "--rank" or not words[1].isdigit():
+            raise UsageError(f"%dist debug [--rank R]: got {line!r}")
+        rank = int(words[1])
+    try:
+        pool.debug(rank)
+    except LaunchError as exc:
+        raise _usage_error(exc) from None
+
+
+def dist_pull(line: str) -> None:
+    """``%dist pull NAME [--rank R]``: bind a CPU copy of a rank's variable in the notebook."""
+    from IPython import get_ipython
+
+    name, rank = _name_and_ranks(line, "pull")
+    pool = _running_pool("pull")
+    (chosen,) = parse_ranks(rank if rank is not None else 0, pool.world_size)
+    get_ipython().user_ns[name] = pool.pull(name, chosen)
+    print(f"nblaunch pool: {name} from rank {chosen}")
+
+
+def dist_push(line: str) -> None:
+    """``%dist push NAME [--ranks R]``: send a notebook variable to every rank (or ``R``)."""
+    from IPython import get_ipython
+    from IPython.core.error import UsageError
+
+    name, ranks = _name_and_ranks(line, "push")
+    pool = _running_pool("push")
+    namespace = get_ipython().user_ns
+    if name not in namespace:
+        raise UsageError(f"%dist push: the notebook has no variable {name!r}")
+    try:
+        pool.push(name, namespace[name], ranks)
+    except LaunchError as exc:
+        raise _usage_error(exc) from None
+    print(f"nblaunch pool: {name} sent to rank(s) {ranks or 'all'}")

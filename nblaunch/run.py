@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nblaunch import verdict
+from nblaunch import debugger, verdict
 from nblaunch.events import Event, EventSink, RunState
 from nblaunch.features import parent_monitors
 from nblaunch.plan import LaunchPlan, choose_port
@@ -25,6 +25,8 @@ from nblaunch.worker import STOP, TASK
 STOP_GRACE_S = 2.0
 # How long the other ranks get to stop once a root cause (a failure, a death, a hang) is known.
 KNOWN_CAUSE_GRACE_S = 0.5
+# After a rank leaves the debugger, how long its peers get to move before the monitors judge.
+DEBUG_RESUME_S = 3.0
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -51,6 +53,10 @@ class Run:
         self.states: dict[int, RunState] = {}
         self.monitors = parent_monitors(plan)
         self.task_ranks: list[int] = list(range(plan.world_size))  # the ranks running a task
+        # Ranks waiting in the debugger, since when; and the time spent there so far.
+        self.debugging: dict[int, float] = {}
+        self.debug_paused_s = 0.0
+        self._debug_ended_at = float("-inf")
 
     def execute(self, payload: bytes) -> list[Any]:
         """Run the payload on every rank and return the results, or raise the root cause."""
@@ -126,7 +132,7 @@ class Run:
                     self.on_death(rank.rank, rank.exitcode)
             if len(outcome.results) == len(self.task_ranks):
                 return
-            for monitor in self.monitors:
+            for monitor in [] if self._debugger_pauses() else self.monitors:
                 root = monitor.check(self)
                 if root is not None:
                     outcome.root = root
@@ -135,9 +141,63 @@ class Run:
             if root is not None:
                 outcome.root = root
                 return
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() - self._debugged_s() > deadline:
                 self._on_timeout()
                 return
+
+    def _debugger_pauses(self) -> bool:
+        """While a rank is in the debugger (and briefly after) its peers wait for it: no
+        monitor may take that for a hang."""
+        return bool(self.debugging) or time.monotonic() - self._debug_ended_at < DEBUG_RESUME_S
+
+    def _debugged_s(self) -> float:
+        """Time ranks spent in the debugger during this task (``timeout=`` does not count it)."""
+        now = time.monotonic()
+        return self.debug_paused_s + (now - min(self.debugging.values()) if self.debugging else 0)
+
+    def _on_debugger(self, event: dict[str, Any]) -> None:
+        """A rank's debugger waits for a command: ask the person, send the answer down."""
+        rank = event["rank"]
+        process = next((p for p in self.supervisor.ranks if p.rank == rank), None)
+        if process is None:  # a rank on another node: its pipe is not ours
+            self.publish(
+                {
+                    "kind": "diagnosis",
+                    "title": f"breakpoint() on rank {rank} (another node) cannot be answered here",
+                    "body": "Debug ranks of this machine, or run the code on one node.",
+                    "severity": "warning",
+                    "rank": rank,
+                    "secondary": [],
+                }
+            )
+            return
+        if rank not in self.debugging:
+            self.debugging[rank] = time.monotonic()
+            self.set_state(rank, RunState.DEBUGGING, "waiting for your command (c continues)")
+            self._say_waiting(f"waiting for rank {rank} (in the debugger)")
+            self.view.flush(force=True)  # the badges show before the prompt blocks this thread
+        line = debugger.ask(rank, event["output"], event["prompt"])
+        self.supervisor.send(process, {"kind": "debug_input", "line": line})
+
+    def _on_debugger_left(self, event: dict[str, Any]) -> None:
+        rank = event["rank"]
+        if event.get("output"):
+            print(event["output"], end="", flush=True)
+        since = self.debugging.pop(rank, None)
+        if since is not None:
+            self.debug_paused_s += time.monotonic() - since
+            self._debug_ended_at = time.monotonic()
+            self.set_state(rank, RunState.RUNNING)
+            if not self.debugging:
+                self._say_waiting("")
+
+    def _say_waiting(self, detail: str) -> None:
+        """The other running ranks' badges: waiting for a rank in the debugger, or not."""
+        for rank in self.task_ranks:
+            if self.states.get(rank) is RunState.RUNNING and rank not in self.debugging:
+                self.publish(
+                    {"kind": "state", "rank": rank, "state": RunState.RUNNING, "detail": detail}
+                )
 
     def on_event(self, event: dict[str, Any]) -> None:
         for monitor in self.monitors:
@@ -152,6 +212,10 @@ class Run:
             failure = RootCause.from_failure(event, received_at=time.monotonic())
             self.outcome.failures.append(failure)
             self.set_state(rank, RunState.FAILED, failure.outcome_words()[:200])
+        elif kind == "debug":
+            self._on_debugger(event)
+        elif kind == "debug_end":
+            self._on_debugger_left(event)
         elif kind == "finished":
             self.outcome.finished.add(rank)
             if rank in self.outcome.results:

@@ -212,6 +212,13 @@ def exception_for(
         exc = RankFailedError(
             message, rank=rank, world_size=n, exitcode=root.exitcode, signal=root.signal
         )
+    elif root.exc_type == "bdb.BdbQuit":  # the person ended the run from the debugger
+        exc = RankFailedError(
+            f"rank {rank} of {n} quit the debugger (q); the run was stopped on every rank",
+            rank=rank,
+            world_size=n,
+        )
+        return exc, _diagnosis(str(exc), str(exc), rank, [])
     else:
         exc = recreate_exception(root, n)
     if isinstance(exc, SystemExit):  # never ends the caller's script or kernel

@@ -145,7 +145,7 @@ class RecordingView:
     def handle(self, event: Event) -> None:
         self.events.append(event)
 
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
         pass
 
     def close(self) -> None:
@@ -162,7 +162,7 @@ class NullView:
     def handle(self, event: Event) -> None:
         pass
 
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
         pass
 
     def close(self) -> None:
@@ -198,6 +198,7 @@ STATE_COLORS: dict[RunState, tuple[str, str]] = {
     RunState.RUNNING: ("#e0f2fe", "#075985"),
     RunState.RETRYING: ("#fef3c7", "#92400e"),
     RunState.STALLED: ("#ffedd5", "#9a3412"),
+    RunState.DEBUGGING: ("#ede9fe", "#5b21b6"),
     RunState.FAILED: ("#fee2e2", "#991b1b"),
     RunState.DONE: ("#dcfce7", "#166534"),
     RunState.STOPPED: ("#e5e7eb", "#374151"),
@@ -1153,12 +1154,14 @@ class DeferredView:
             kind == "run_ended" and not event["ok"]
         ):
             self._worth_showing = True
+        if kind == "state" and event["state"] is RunState.DEBUGGING:
+            self._show(live=True)  # a prompt waits: show the ranks' states with it
 
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
         if not self._shown and time.monotonic() - self._began >= LIVE_VIEW_AFTER_S:
             self._show(live=True)
         if self._shown:
-            self.view.flush()
+            self.view.flush(force)
 
     def close(self) -> None:
         if not self._shown and self._worth_showing:

@@ -59,7 +59,13 @@ _in_task = False  # user code of a task is running: SIGINT raises KeyboardInterr
 _channel: _Channel | None = None
 _tree_marker: str | None = None  # see containment.TREE_ENV
 # Modules imported in every rank at setup; each registers its task hooks (see add_task_hook).
-RANK_FEATURES = ("nblaunch.logging", "nblaunch.ops", "nblaunch.memory", "nblaunch.watchdog")
+RANK_FEATURES = (
+    "nblaunch.logging",
+    "nblaunch.ops",
+    "nblaunch.memory",
+    "nblaunch.watchdog",
+    "nblaunch.debugger",
+)
 # Hooks other modules register to run around each task (debug patches, heartbeats, logging).
 _task_hooks: list[Callable[[RankContext], contextlib.AbstractContextManager[Any]]] = []
 
@@ -73,6 +79,18 @@ def emit(event: Event) -> None:
     """Send one event to the parent; does nothing outside an nblaunch rank or after it hung up."""
     if _channel is not None:
         _channel.send(event)
+
+
+def receive() -> dict[str, Any]:
+    """Wait for the parent's next message during a task (the debugger's answers).
+
+    Only the task's own thread may call this: between tasks the rank's loop reads the pipe.
+    """
+    assert _channel is not None, "receive() is for nblaunch ranks"
+    try:
+        return _channel.recv()
+    except (EOFError, OSError):
+        return {"kind": STOP}
 
 
 def add_task_hook(hook: Callable[[RankContext], contextlib.AbstractContextManager[Any]]) -> None:

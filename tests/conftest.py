@@ -7,8 +7,10 @@ Each test runs in a temporary working directory, so run directories land there.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import queue
 import sys
 import time
 from pathlib import Path
@@ -75,9 +77,22 @@ class Kernel:
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
 
-    def run(self, code: str, timeout: float = 60, interrupt_after: float | None = None) -> dict:
-        """Run one cell; return its printed text, result, error name and message, and seconds."""
-        msg_id = self.client.execute(code)
+    def run(
+        self,
+        code: str,
+        timeout: float = 60,
+        interrupt_after: float | None = None,
+        answers: list[str] | None = None,
+        answer_after: float = 0.0,
+    ) -> dict:
+        """Run one cell; return its printed text, result, error name and message, and seconds.
+
+        With ``answers``, the cell may ask for input (``input()``, a rank's debugger): each
+        prompt is recorded in ``"prompts"`` and gets the next answer ``answer_after`` seconds
+        later ("c" once they run out), as a person typing into the notebook would.
+        """
+        msg_id = self.client.execute(code, allow_stdin=answers is not None)
+        pending = list(answers or [])
         cell = {
             "out": "",
             "result": None,
@@ -85,6 +100,7 @@ class Kernel:
             "message": "",
             "traceback": [],
             "seconds": 0.0,
+            "prompts": [],
         }
         began = time.monotonic()
         interrupted = False
@@ -92,6 +108,12 @@ class Kernel:
             if interrupt_after and not interrupted and time.monotonic() - began > interrupt_after:
                 self.manager.interrupt_kernel()  # the notebook's interrupt button
                 interrupted = True
+            if answers is not None:
+                with contextlib.suppress(queue.Empty):
+                    request = self.client.get_stdin_msg(timeout=0.01)
+                    cell["prompts"].append(request["content"]["prompt"])
+                    time.sleep(answer_after)
+                    self.client.input(pending.pop(0) if pending else "c")
             try:
                 msg = self.client.get_iopub_msg(timeout=0.05)
             except Exception:  # queue.Empty

@@ -205,3 +205,55 @@ def test_the_loss_chart_moves_while_ranks_train(chart_notebook):
         assert charts.locator("svg").count() >= 2  # loss, lr (and steps/s)
         assert charts.locator("polyline").count() >= 4  # a line per rank in each
     assert all(shot.stat().st_size > 5_000 for shot in shots)
+
+
+DEBUG_CELLS = [
+    "%load_ext nblaunch",
+    "%%distributed -n 2\n"
+    "import nblaunch, torch, torch.distributed as dist\n"
+    "x = torch.arange(3) + 10 * rank\n"
+    "nblaunch.breakpoint(rank=1)\n"
+    "dist.all_reduce(x)\n"
+    "x.tolist()",
+]
+
+
+@pytest.fixture
+def debug_notebook(tmp_path):
+    import nbformat
+
+    work = tmp_path / "work"
+    work.mkdir()
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in DEBUG_CELLS]
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    nbformat.write(notebook, work / "debug.ipynb")
+    yield from _serve(tmp_path, "debug.ipynb")
+
+
+def test_a_rank_s_breakpoint_is_answered_in_the_notebook(debug_notebook):
+    from playwright.sync_api import expect
+
+    shot = ROOT / "docs" / "debugger.png"
+    with _running(debug_notebook, height=900) as page:
+        prompt = page.locator(".jp-Stdin-input")
+        expect(prompt).to_be_visible(timeout=120_000)
+        expect(page.locator(".jp-Stdin-prompt").first).to_contain_text("[rank 1] (Pdb)")
+        ranks = page.locator(".nbl-root .nbl-ranks")
+        expect(ranks).to_contain_text("DEBUGGING")
+        expect(ranks).to_contain_text("waiting for rank 1 (in the debugger)")
+        prompt.fill("p x")
+        prompt.press("Enter")
+        expect(
+            page.locator(".jp-OutputArea-output", has_text="tensor([10, 11, 12])")
+        ).to_be_visible(timeout=30_000)
+        expect(page.locator(".jp-Stdin-input")).to_have_count(2, timeout=30_000)  # the next one
+        page.wait_for_timeout(300)
+        cell = page.locator(".jp-Cell", has=page.locator(".nbl-root"))
+        cell.locator(".jp-Cell-outputWrapper").screenshot(path=str(shot))
+        page.locator(".jp-Stdin-input").last.fill("c")
+        page.locator(".jp-Stdin-input").last.press("Enter")
+        expect(page.locator(".jp-OutputArea-output", has_text="[10, 12, 14]")).to_be_visible(
+            timeout=60_000
+        )
+    assert shot.stat().st_size > 5_000
