@@ -152,7 +152,8 @@ def run_accelerate(mode: str, reduce: str) -> dict:
 
 
 def run_nblaunch(mode: str) -> dict:
-    from nblaunch.launcher import Run, plan_launch, serialize_payload
+    from nblaunch.plan import plan_launch, serialize_payload
+    from nblaunch.run import Run
 
     class Recorder:
         def __init__(self) -> None:

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nblaunch.launcher import CPU_RANKS_PER_CORE
+from nblaunch.plan import CPU_RANKS_PER_CORE
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "bench_scale.md"

@@ -23,7 +23,7 @@ from conftest import rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
-from nblaunch.launcher import plan_launch
+from nblaunch.plan import plan_launch
 
 
 def launch(function, args=(), **kwargs):

@@ -11,7 +11,7 @@ import pytest
 
 from nblaunch import doctor
 from nblaunch.doctor import Accelerator
-from nblaunch.launcher import plan_launch
+from nblaunch.plan import plan_launch
 
 GIB = 1 << 30
 

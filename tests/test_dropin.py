@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nblaunch
 from nblaunch import notebook_launcher
-from nblaunch.launcher import plan_launch
+from nblaunch.plan import plan_launch
 
 
 def launch(function, args=(), n=2, **kwargs):

@@ -10,8 +10,9 @@ import cloudpickle
 import pytest
 
 from nblaunch import get_logger, notebook_launcher
-from nblaunch.launcher import Run, plan_launch, serialize_payload
 from nblaunch.logging import InOrderLog, RankLogger
+from nblaunch.plan import plan_launch, serialize_payload
+from nblaunch.run import Run
 from nblaunch.widgets import RecordingView
 
 

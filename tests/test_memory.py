@@ -16,7 +16,6 @@ from conftest import rank_children, wait_until
 import nblaunch
 from nblaunch import memory
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
-from nblaunch.launcher import Run, plan_launch, serialize_payload
 from nblaunch.memory import (
     BatchSizeMonitor,
     find_executable_batch_size,
@@ -26,6 +25,8 @@ from nblaunch.memory import (
     render_attempts,
     set_seed,
 )
+from nblaunch.plan import plan_launch, serialize_payload
+from nblaunch.run import Run
 from nblaunch.verdict import Cause, RootCause
 from nblaunch.widgets import RecordingView
 

@@ -227,7 +227,7 @@ def test_interrupt_stops_the_task_on_every_rank_and_keeps_the_pool(pool):
 
 def test_a_task_timeout_stops_the_task_and_keeps_the_pool(pool):
     from nblaunch import LaunchTimeoutError
-    from nblaunch.launcher import serialize_payload
+    from nblaunch.plan import serialize_payload
 
     pool.run(remember, 4)
     began = time.monotonic()

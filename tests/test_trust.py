@@ -250,7 +250,7 @@ def test_run_directories_and_logs_are_private(tmp_path, monkeypatch):
 
 
 def test_old_run_directories_are_pruned_and_nothing_else(tmp_path, monkeypatch):
-    from nblaunch.launcher import plan_launch
+    from nblaunch.plan import plan_launch
 
     base = tmp_path / "runs"
     old = [base / f"2026010{day}-120000-abcdef" for day in range(1, 6)]
