@@ -219,3 +219,16 @@ class EventSink(Protocol):
 
     def close(self) -> None:
         """The run is over: render the final state."""
+
+
+class NullView:
+    """Shows nothing (``display="none"``); the per-rank log files are still written."""
+
+    def handle(self, event: Event) -> None:
+        pass
+
+    def flush(self, force: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -37,12 +37,12 @@ from typing import Any
 
 from nblaunch import debugger, worker
 from nblaunch.errors import LaunchError
-from nblaunch.events import RunState
-from nblaunch.features import parent_monitors
+from nblaunch.events import NullView, RunState
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DEVICE_TYPES, DISPLAY_MODES, START_METHODS
 from nblaunch.plan import plan_launch, serialize_payload
 from nblaunch.run import Run
-from nblaunch.verdict import Cause, Outcome, RootCause, add_note, recreate_exception, settle
+from nblaunch.supervisor import reap_let_go
+from nblaunch.verdict import Cause, RootCause, add_note, recreate_exception
 
 # How long the ranks of an interrupted or failed task get to come back before the pool restarts.
 INTERRUPT_WAIT_S = 3.0
@@ -222,8 +222,6 @@ class Pool:
             )
         if self.state is not PoolState.CLOSED:
             raise LaunchError(f"this pool is already {self.state.value}; close() it first")
-        from nblaunch.widgets import NullView
-
         if self.display not in DISPLAY_MODES:
             raise LaunchError(f"display={self.display!r} is not one of {', '.join(DISPLAY_MODES)}")
         plan = plan_launch(_pool_task, self.num_processes, **self.options)
@@ -238,7 +236,7 @@ class Pool:
         self._run = run
         try:
             run.start()
-            self._await_started(run)
+            run.await_started(self.start_timeout)
         except BaseException:
             self._shut_down(grace=1.0)
             self.state = PoolState.CLOSED
@@ -257,15 +255,9 @@ class Pool:
             return
         run = self._run
         if run is not None and self.state is PoolState.IDLE:
-            from nblaunch.worker import STOP
-
-            for rank in run.supervisor.ranks:
-                run.supervisor.send(rank, {"kind": STOP})
-            deadline = time.monotonic() + 3.0
-            while run.supervisor.alive() and time.monotonic() < deadline:
-                run.relay.poll(0.02)  # keep reading, so no rank blocks on a full pipe
-                run.supervisor.reap()
+            run.hang_up(limit_s=3.0)
         self._shut_down(grace=1.0)
+        reap_let_go(wait=True)  # closed means gone: their memory is free again
         self.state = PoolState.CLOSED
         if _current is self:
             _current = None
@@ -449,7 +441,7 @@ class Pool:
         KeyboardInterrupt
             The task was interrupted; the ranks are ready for the next one.
         """
-        from nblaunch.widgets import DeferredView, NullView, make_view
+        from nblaunch.widgets import DeferredView, make_view
 
         self._check_usable()
         task_ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
@@ -458,22 +450,14 @@ class Pool:
         mode = display or self.display
         view = DeferredView(make_view(mode)) if mode != "none" else NullView()
         run = self._run
-        # What ranks wrote between tasks (a background thread) belongs to no cell: it goes to
-        # the rank log files only, so no output shows up under the wrong cell.
-        run.relay.sink = NullView()
-        run.relay.drain_ready()
-        run.relay.in_order.start_task(task_ranks)  # in-order records wait for these ranks only
-        run.view = view
-        run.relay.sink = view
-        run.outcome = Outcome()
-        run.states = {}
-        run.started_at = time.time()
-        run.plan.timeout = timeout
-        run.plan.hang_timeout = (
-            self.options["hang_timeout"] if hang_timeout is None else hang_timeout
-        )
         guard = _TaskGuard()
-        run.monitors = [guard, *parent_monitors(run.plan)]
+        run.begin_task(
+            view,
+            task_ranks,
+            timeout=timeout,
+            hang_timeout=self.options["hang_timeout"] if hang_timeout is None else hang_timeout,
+            monitors=[guard],
+        )
         self._task_id += 1
         self.state = PoolState.BUSY
         self.current_task = description or "a task"
@@ -609,25 +593,6 @@ class Pool:
                 "or %dist stop."
             )
 
-    def _await_started(self, run: Any) -> None:
-        """Relay until every rank reported "started", or raise why one could not."""
-        started: set[int] = set()
-        deadline = time.monotonic() + self.start_timeout
-        while len(started) < run.plan.world_size:
-            for event in run.relay.poll(0.05):
-                run.on_event(event)
-                if event["kind"] == "started":
-                    started.add(event["rank"])
-            _reap_into(run)
-            root = settle(run.outcome, run.task_ranks, time.monotonic())
-            if root is not None:
-                raise run.exception_for(root)
-            if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"the pool's ranks did not start within {self.start_timeout:g} s "
-                    f"(started: {sorted(started) or 'none'}); see the logs in {run.plan.run_dir}"
-                )
-
     def _end_task(
         self, run: Any, guard: _TaskGuard, interrupted: bool
     ) -> tuple[str, list[RootCause]]:
@@ -653,9 +618,7 @@ class Pool:
             deadline = time.monotonic() + limit
             # A second press of the interrupt button stops the waiting.
             while _pending(run) and time.monotonic() < deadline and guard.interrupts < 2:
-                for event in run.relay.poll(0.05):
-                    run.on_event(event)
-                _reap_into(run)
+                run.pump(0.05)
         for event in run.relay.drain_ready():
             run.on_event(event)
         # A KeyboardInterrupt the pool caused is not a failure of that rank: it was stopped.
@@ -829,15 +792,6 @@ def _pending(run: Any) -> list[int]:
 
 def _deaths(run: Any) -> list[RootCause]:
     return run.outcome.deaths()
-
-
-def _reap_into(run: Any) -> None:
-    """Record ranks whose process ended (after reading what they sent last) as deaths."""
-    for rank in run.supervisor.reap():
-        for event in run.relay.drain_events(rank.rank):
-            run.on_event(event)
-        if rank.rank not in run.outcome.finished:
-            run.on_death(rank.rank, rank.exitcode)
 
 
 def parse_ranks(spec: Any, world_size: int) -> list[int]:

@@ -9,12 +9,14 @@ pool and the multi-node head all drive it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from nblaunch import debugger, verdict
-from nblaunch.events import Event, EventSink, RunState
-from nblaunch.features import parent_monitors
+from nblaunch.errors import LaunchError
+from nblaunch.events import Event, EventSink, NullView, RunState
+from nblaunch.features import Monitor, parent_monitors
 from nblaunch.plan import LaunchPlan, choose_port
 from nblaunch.relay import Relay
 from nblaunch.supervisor import Supervisor
@@ -90,6 +92,65 @@ class Run:
         """Publish the run's header (``RunInfo``); a pool sends one per task, to each new view."""
         self.publish(self.plan.run_info(self.started_at, warnings, notes))
 
+    def await_started(self, limit_s: float) -> None:
+        """Pump until every rank joined the process group and said ``started``.
+
+        Raises
+        ------
+        Exception
+            The rank's own exception when one could not start (the root cause).
+        LaunchError
+            Not every rank started within ``limit_s`` seconds.
+        """
+        deadline = time.monotonic() + limit_s
+        ranks = range(self.plan.world_size)
+        while not all(self.states.get(r) is RunState.RUNNING for r in ranks):
+            self.pump(0.05)
+            root = verdict.settle(self.outcome, self.task_ranks, time.monotonic())
+            if root is not None:
+                raise self.exception_for(root)
+            if time.monotonic() > deadline:
+                started = [r for r in ranks if self.states.get(r) is RunState.RUNNING]
+                raise LaunchError(
+                    f"the ranks did not start within {limit_s:g} s (started: "
+                    f"{started or 'none'}); see the logs in {self.plan.run_dir}"
+                )
+
+    def begin_task(
+        self,
+        view: EventSink,
+        ranks: list[int],
+        *,
+        timeout: float | None,
+        hang_timeout: float | None,
+        monitors: list[Monitor],
+    ) -> None:
+        """Make the run ready for another task on its ranks (a persistent pool's next cell): a
+        new view, outcome, states and fresh monitors (``monitors`` first, then the features').
+
+        What the ranks wrote since the last task (a background thread) belongs to no task: it
+        goes to their log files only, never under the wrong cell.
+        """
+        assert self.relay is not None
+        self.relay.sink = NullView()
+        self.relay.drain_ready()
+        self.relay.in_order.start_task(ranks)  # in-order records wait for these ranks only
+        self.view = self.relay.sink = view
+        self.plan = dataclasses.replace(self.plan, timeout=timeout, hang_timeout=hang_timeout)
+        self.outcome = Outcome()
+        self.states = {}
+        self.started_at = time.time()
+        self.monitors = [*monitors, *parent_monitors(self.plan)]
+        self.debugging.clear()
+        self.debug_paused_s = 0.0
+
+    def hang_up(self, limit_s: float) -> None:
+        """Ask every rank to stop after its task and read what they say until each closed its
+        pipes or exited (at most ``limit_s``); those still exiting are left to finish alone."""
+        for rank in self.supervisor.ranks:
+            self.supervisor.send(rank, {"kind": STOP})
+        self._relay_until_hung_up(timeout=limit_s)
+
     def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
         """Send one task to ``ranks`` (default: all); the run then waits for those ranks only."""
         self.task_ranks = list(range(self.plan.world_size)) if ranks is None else list(ranks)
@@ -117,19 +178,24 @@ class Run:
 
     # --- watching --------------------------------------------------------------------------------
 
-    def watch(self) -> None:
-        """Relay until every rank returned, a root cause is known, or the timeout runs out."""
+    def pump(self, timeout: float) -> None:
+        """One turn of the engine: wait up to ``timeout`` s for output or events, act on every
+        event, and record a rank whose process ended without saying so as a death."""
         assert self.relay is not None
+        for event in self.relay.poll(timeout):
+            self.on_event(event)
+        for rank in self.supervisor.reap():
+            for event in self.relay.drain_events(rank.rank):
+                self.on_event(event)
+            if rank.rank not in self.outcome.finished:
+                self.on_death(rank.rank, rank.exitcode)
+
+    def watch(self) -> None:
+        """Pump until every rank returned, a root cause is known, or the timeout runs out."""
         outcome = self.outcome
         deadline = None if self.plan.timeout is None else time.monotonic() + self.plan.timeout
         while True:
-            for event in self.relay.poll(0.05):
-                self.on_event(event)
-            for rank in self.supervisor.reap():
-                for event in self.relay.drain_events(rank.rank):
-                    self.on_event(event)
-                if rank.rank not in outcome.finished:
-                    self.on_death(rank.rank, rank.exitcode)
+            self.pump(0.05)
             if len(outcome.results) == len(self.task_ranks):
                 return
             for monitor in [] if self._debugger_pauses() else self.monitors:
@@ -307,9 +373,7 @@ class Run:
                 # The watch loop ends at the last Result; that rank's Finished may not be read yet.
                 for rank in sorted(self.outcome.results):
                     self.set_state(rank, RunState.DONE)
-                for rank in supervisor.ranks:
-                    supervisor.send(rank, {"kind": STOP})
-                self._relay_until_hung_up(timeout=5.0)
+                self.hang_up(limit_s=5.0)
             else:
                 reason = self._stop_reason()
                 for rank in range(self.plan.world_size):

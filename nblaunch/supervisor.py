@@ -136,7 +136,7 @@ class Supervisor:
         from nblaunch import worker
 
         check_start_method(self.start_method)
-        reap_let_go()
+        reap_let_go(wait=True)
         context = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             context.set_forkserver_preload(FORKSERVER_PRELOAD)
@@ -204,8 +204,8 @@ class Supervisor:
         """Stop watching ranks that were stopped, said their last and are exiting on their own.
 
         The caller need not wait ~4 ms a rank for the operating system to unmap torch's memory:
-        they are joined, and anything they left is released, at the next start (or given
-        ``LEAVE_LIMIT_S`` and then killed, should one not exit).
+        they are joined, and anything they left is released, at the next start, which waits
+        for them (up to ``LEAVE_LIMIT_S``, then kills one that did not exit).
         """
         for rank in ranks:
             rank.ended = True
@@ -277,11 +277,17 @@ _leaving: list[tuple[float, str | None, Any]] = []
 LEAVE_LIMIT_S = 5.0
 
 
-def reap_let_go() -> int:
+def reap_let_go(wait: bool = False) -> int:
     """Join the ranks :meth:`Supervisor.let_go` let go that have exited, release what they
-    left, and kill any that overstayed ``LEAVE_LIMIT_S``; return how many are still leaving."""
+    left, and kill any that overstayed ``LEAVE_LIMIT_S``; return how many are still leaving.
+
+    With ``wait``, wait for each to exit (up to its limit): new ranks must not start while old
+    ones still hold their memory (a GPU's above all) or files.
+    """
     for entry in list(_leaving):
         deadline, semaphore_dir, process = entry
+        if wait:
+            process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
             if time.monotonic() < deadline:
                 continue

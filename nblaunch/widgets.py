@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from nblaunch.events import Event, RunState
+from nblaunch.events import Event, NullView, RunState
 from nblaunch.metrics import MetricSeries, render_svg
 from nblaunch.options import DISPLAY_MODES
 
@@ -154,19 +154,6 @@ class RecordingView:
     def of(self, kind: str) -> list[Event]:
         """The events of one kind (``"stream"``, ``"log"``, ``"state"``, ...)."""
         return [event for event in self.events if event["kind"] == kind]
-
-
-class NullView:
-    """Shows nothing (``display="none"``); the per-rank log files are still written."""
-
-    def handle(self, event: Event) -> None:
-        pass
-
-    def flush(self, force: bool = False) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 # What tqdm draws: "desc:  42%|████▏     | 42/100 [00:01<00:02, 30.12it/s]".

@@ -33,6 +33,8 @@ from nblaunch.errors import safe_str
 from nblaunch.events import Event, Failure
 
 # Message kinds the parent sends down the task pipe.
+# After a rank hung up, how long its exit may wait for threads the user's code left running.
+EXIT_AFTER_HANG_UP_S = 1.0
 SETUP = "setup"
 TASK = "task"
 STOP = "stop"
@@ -196,13 +198,19 @@ def _hang_up(channel: _Channel) -> None:
 
     The parent returns once a stopped rank's pipes are closed, without waiting for the process
     to exit, which costs a few milliseconds of unmapping torch's memory. Anything written after
-    this (multiprocessing's exit handlers) goes to /dev/null.
+    this (multiprocessing's exit handlers) goes to /dev/null. Python's exit waits for threads
+    that are not daemons; one the user's code left running gets ``EXIT_AFTER_HANG_UP_S``, then
+    the rank exits anyway: nothing of a run outlives it for long, whether or not the notebook
+    launches again.
     """
     devnull = os.open(os.devnull, os.O_WRONLY)
     for fd in (1, 2):
         os.dup2(devnull, fd)
     os.close(devnull)
     channel.close()
+    timer = threading.Timer(EXIT_AFTER_HANG_UP_S, os._exit, args=(0,))
+    timer.daemon = True
+    timer.start()
 
 
 def _flush_output() -> None:

@@ -49,7 +49,16 @@ def helper_pids() -> set[int]:
 
 
 def rank_children() -> list[psutil.Process]:
-    """Live descendants of this test process other than multiprocessing's helpers: the ranks."""
+    """Live descendants of this test process other than multiprocessing's helpers: the ranks.
+
+    Ranks that a finished run let go (``Supervisor.let_go``: they said their last and exit on
+    their own) get up to 5 s to exit first, as the next launch would give them; one still
+    there after that is listed.
+    """
+    from nblaunch import supervisor
+
+    for _, _, process in list(supervisor._leaving):
+        process.join(5.0)
     helpers = helper_pids()
     ranks = []
     for child in psutil.Process(os.getpid()).children(recursive=True):

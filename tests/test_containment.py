@@ -92,6 +92,21 @@ SCRIPT_WITH_CHILDREN = """
 """
 
 
+def leave_a_thread_running() -> int:
+    import threading
+
+    threading.Thread(target=time.sleep, args=(120,), name="left-running").start()  # no daemon
+    return os.getpid()
+
+
+def test_a_thread_left_running_does_not_keep_a_finished_rank_alive():
+    pids = notebook_launcher(leave_a_thread_running, (), 2, device_type="cpu", display="none")
+    # The launch returned; Python's exit would wait 120 s for the thread: the rank goes anyway.
+    # Not through rank_children(), which would give the ranks their time to exit itself.
+    gone = wait_until(lambda: not [p for p in pids if alive(p)], timeout=3)
+    assert gone, [p for p in pids if alive(p)]
+
+
 def test_a_script_whose_ranks_started_children_ends_and_closes_its_output(tmp_path):
     """A harness that waits for the end of the script's output (CI, capture_output) is not
     held by a child that inherited it."""
