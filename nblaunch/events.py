@@ -1,10 +1,12 @@
-"""The records that travel from ranks to the notebook, and the run states.
+"""The records that travel between ranks, nodes and the notebook, and the run states.
 
 Everything a view shows arrives as one of these records: the protocol is readable here, in one
-place. Ranks send ``Started``, ``Log``, ``Progress``, ``Heartbeat``, ``Failure``, ``Result`` and
-``Finished`` over their event pipe; the parent's relay turns the ranks' raw stdout/stderr bytes
-into ``Stream`` records and adds ``RunInfo``, ``StateChange``, ``Diagnosis`` and ``RunEnded``.
-A view only renders records; it never infers a state on its own.
+place. Ranks send ``Started``, ``Log``, ``Progress``, ``Heartbeat``, ``Metrics``, ``Failure``,
+``Result``, ``Finished`` and the debugger's ``DebugPrompt``/``DebugEnd`` over their event pipe;
+the parent's relay turns the ranks' raw stdout/stderr bytes into ``Stream`` records and adds
+``RunInfo``, ``StateChange``, ``Diagnosis`` and ``RunEnded``. A view only renders records; it
+never infers a state on its own. Down each rank's pipe go ``Setup``, ``Task``, ``Stop`` and
+``DebugInput``; a joined node adds ``Death`` and ``NodeNews`` to what it sends the notebook.
 
 Every record is a plain ``dict`` (a ``TypedDict``) with a ``kind`` key, so it pickles cheaply and
 prints readably.
@@ -107,6 +109,23 @@ class Failure(TypedDict):
     where: str  # innermost user frame, "file.py:12 in train"
 
 
+class DebugPrompt(TypedDict):
+    """A rank's debugger waits for a command (nblaunch.debugger)."""
+
+    kind: Literal["debug"]
+    rank: int
+    output: str  # what the debugger printed since its last prompt
+    prompt: str  # "(Pdb) "
+
+
+class DebugEnd(TypedDict):
+    """A rank left its debugger's prompt and runs on (or quits)."""
+
+    kind: Literal["debug_end"]
+    rank: int
+    output: str
+
+
 class Metrics(TypedDict):
     """Numbers a rank logged with ``nblaunch.log_metrics`` at one step."""
 
@@ -190,9 +209,70 @@ class RunEnded(TypedDict):
     ranks: dict[int, str]  # rank -> one-line outcome ("returned 3", "ValueError: boom")
 
 
+# --- sent down to a rank, and by joined nodes ----------------------------------------------------
+
+
+class Setup(TypedDict):
+    """The first message to a rank: its environment, device and process group (plan.py)."""
+
+    kind: Literal["setup"]
+    env: dict[str, str]
+    sys_path: list[str]
+    cwd: str
+    mp_start_method: str
+    backend: str
+    device_type: str
+    init_process_group: bool
+    debug: bool
+    launcher_pid: int
+    num_threads: int | None
+    options: dict[str, Any]  # for in-rank features (log level, hang timeout, debug_on_error)
+
+
+class Task(TypedDict):
+    kind: Literal["task"]
+    payload: bytes  # cloudpickled (function, args, kwargs)
+    task_id: int
+    all_ranks: bool  # only a task on every rank may make the default group again
+
+
+class Stop(TypedDict):
+    kind: Literal["stop"]
+
+
+class DebugInput(TypedDict):
+    """The person's answer to a ``DebugPrompt``."""
+
+    kind: Literal["debug_input"]
+    line: str
+
+
+class Death(TypedDict):
+    """A joined node's rank process ended without reporting (the notebook's own are reaped)."""
+
+    kind: Literal["death"]
+    rank: int
+    exitcode: int | None
+
+
+class NodeNews(TypedDict, total=False):
+    """About a joined node itself: ``what`` is "started" (host, ranks, pid), "done" (outcome),
+    "error" (message) or "forged_control" (message)."""
+
+    kind: Literal["node"]
+    what: str
+    host: str
+    ranks: list[int]
+    pid: int
+    outcome: str
+    message: str
+
+
 Event = (
     Started
     | Log
+    | DebugPrompt
+    | DebugEnd
     | Metrics
     | Progress
     | Heartbeat

@@ -22,7 +22,7 @@ from typing import Any
 
 from nblaunch import process_groups
 from nblaunch.errors import LaunchError
-from nblaunch.events import RunInfo
+from nblaunch.events import RunInfo, Setup
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DEVICE_TYPES, FALSE_VALUES, debug_from_env
 from nblaunch.supervisor import check_start_method
 from nblaunch.worker import SETUP
@@ -113,7 +113,7 @@ class LaunchPlan:
             "started_at": started_at,
         }
 
-    def setup_message(self, rank: int) -> dict[str, Any]:
+    def setup_message(self, rank: int) -> Setup:
         return {
             "kind": SETUP,
             "env": self.rank_env(rank),

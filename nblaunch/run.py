@@ -15,13 +15,13 @@ from typing import Any
 
 from nblaunch import debugger, verdict
 from nblaunch.errors import LaunchError
-from nblaunch.events import Event, EventSink, NullView, RunState
+from nblaunch.events import Event, EventSink, NullView, RunState, Task
 from nblaunch.features import Monitor, parent_monitors
 from nblaunch.plan import LaunchPlan, choose_port
 from nblaunch.relay import Relay
 from nblaunch.supervisor import Supervisor
 from nblaunch.verdict import Cause, Outcome, RootCause
-from nblaunch.worker import STOP, TASK
+from nblaunch.worker import STOP
 
 # After a root cause, how long the other ranks get to stop before SIGKILL.
 STOP_GRACE_S = 2.0
@@ -154,8 +154,8 @@ class Run:
     def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
         """Send one task to ``ranks`` (default: all); the run then waits for those ranks only."""
         self.task_ranks = list(range(self.plan.world_size)) if ranks is None else list(ranks)
-        message = {
-            "kind": TASK,
+        message: Task = {
+            "kind": "task",
             "payload": payload,
             "task_id": task_id,
             # Only a task on every rank may make the default group again (a collective).

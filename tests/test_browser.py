@@ -168,18 +168,23 @@ CHART_CELLS = [
 ]
 
 
-@pytest.fixture
-def chart_notebook(tmp_path):
+def _notebook(tmp_path: Path, name: str, cells: list[str]):
+    """JupyterLab serving a new notebook ``name`` made of ``cells``; yields its URL."""
     import nbformat
 
     work = tmp_path / "work"
     work.mkdir()
     notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in CHART_CELLS]
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
     # A kernel to start without asking, as a saved notebook has.
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
-    nbformat.write(notebook, work / "charts.ipynb")
-    yield from _serve(tmp_path, "charts.ipynb")
+    nbformat.write(notebook, work / name)
+    yield from _serve(tmp_path, name)
+
+
+@pytest.fixture
+def chart_notebook(tmp_path):
+    yield from _notebook(tmp_path, "charts.ipynb", CHART_CELLS)
 
 
 def test_the_loss_chart_moves_while_ranks_train(chart_notebook):
@@ -220,15 +225,7 @@ DEBUG_CELLS = [
 
 @pytest.fixture
 def debug_notebook(tmp_path):
-    import nbformat
-
-    work = tmp_path / "work"
-    work.mkdir()
-    notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in DEBUG_CELLS]
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
-    nbformat.write(notebook, work / "debug.ipynb")
-    yield from _serve(tmp_path, "debug.ipynb")
+    yield from _notebook(tmp_path, "debug.ipynb", DEBUG_CELLS)
 
 
 def test_a_rank_s_breakpoint_is_answered_in_the_notebook(debug_notebook):

@@ -37,10 +37,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run_script(tmp_path, answers: list[str], *args: str, answer_after: float = 0.0):
-    """Run SCRIPT in a terminal-like subprocess, typing ``answers`` ``answer_after`` s apart."""
+def run_script(
+    tmp_path, answers: list[str], *args: str, answer_after: float = 0.0, source: str = SCRIPT
+):
+    """Run ``source`` in a terminal-like subprocess, typing ``answers`` ``answer_after`` s
+    apart (the first one too)."""
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(source)
     process = subprocess.Popen(
         [sys.executable, str(script), *args],
         stdin=subprocess.PIPE,
@@ -205,22 +208,11 @@ DDP_SCRIPT = textwrap.dedent(
 
 
 def test_breakpoint_inside_ddp_training_waits_for_the_person_and_trains_on(tmp_path):
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT)
-    process = subprocess.Popen(
-        [sys.executable, str(script)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=tmp_path,
+    # Answered 3 s late: longer than hang_timeout, while rank 0 waits in DDP's all-reduce.
+    code, out = run_script(
+        tmp_path, ["p step, round(loss.item(), 3) > 0"], answer_after=3.0, source=DDP_SCRIPT
     )
-    assert process.stdin is not None
-    time.sleep(3.0)  # longer than hang_timeout, while rank 0 waits in DDP's gradient all-reduce
-    process.stdin.write("p step, round(loss.item(), 3) > 0\nc\n")
-    process.stdin.flush()
-    out, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, out
+    assert code == 0, out
     assert "(2, True)" in out
     result = next(line for line in out.splitlines() if line.startswith("RESULT"))
     weights = ast.literal_eval(result.removeprefix("RESULT "))
