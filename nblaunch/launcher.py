@@ -52,6 +52,7 @@ def notebook_launcher(
     num_nodes: int = 1,
     rdzv_endpoint: str | None = None,
     rdzv_timeout: float | None = None,
+    rdzv_id: str | None = None,
 ) -> list[Any]:
     """Run ``function(*args, **kwargs)`` on ``num_processes`` ranks and return what each returned.
 
@@ -90,11 +91,12 @@ def notebook_launcher(
     debug_on_error
         A rank whose function raises opens the debugger at the failing frame (post-mortem,
         prompts in the notebook) before the failure is reported and the others are stopped.
-    num_nodes, rdzv_endpoint, rdzv_timeout
+    num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id
         Run on ``num_nodes`` machines, ``num_processes`` ranks on each: this machine hosts the
         rendezvous on ``rdzv_endpoint`` (``"host:port"``, one of its own addresses) and prints
         the ``python -m nblaunch join`` command for the other nodes, which must join within
-        ``rdzv_timeout`` seconds (default 600). See :mod:`nblaunch.multinode`.
+        ``rdzv_timeout`` seconds (default 600). ``rdzv_id`` pins the run id, so the join
+        commands can be started before the cell. See :mod:`nblaunch.multinode`.
 
     Returns
     -------
@@ -120,7 +122,7 @@ def notebook_launcher(
     __tracebackhide__ = True  # the rank's traceback matters, not the launcher's frames
 
     refuse_if_running("notebook_launcher")  # a persistent pool holds the devices
-    if num_nodes != 1 or rdzv_endpoint is not None:
+    if num_nodes != 1 or rdzv_endpoint is not None or rdzv_id is not None:
         if debug_on_error:
             raise LaunchError(
                 "debug_on_error=True works on one machine only: its prompts cannot reach "
@@ -145,6 +147,7 @@ def notebook_launcher(
             device_type=device_type,
             run_dir=run_dir,
             display=display,
+            rdzv_id=rdzv_id,
         )
     plan = plan_launch(
         function,

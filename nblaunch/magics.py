@@ -199,6 +199,12 @@ class DistributedMagics(Magics):
         "other nodes (see docs/multinode.md)",
     )
     @magic_arguments.argument(
+        "--run-id",
+        default=None,
+        metavar="RUN",
+        help="with --nodes: the run id, so that 'join --run-id RUN' can start before the cell",
+    )
+    @magic_arguments.argument(
         "--rdzv-endpoint",
         default=None,
         metavar="HOST:PORT",
@@ -279,6 +285,7 @@ class DistributedMagics(Magics):
                     num_nodes=args.nodes,
                     rdzv_endpoint=args.rdzv_endpoint,
                     rdzv_timeout=args.rdzv_timeout,
+                    rdzv_id=args.run_id,
                 )
         except KeyboardInterrupt:
             raise
@@ -402,6 +409,7 @@ def _refuse_launch_options(args: Any) -> None:
             ("--log-level", args.log_level),
             ("--nodes", None if args.nodes == 1 else args.nodes),
             ("--rdzv-endpoint", args.rdzv_endpoint),
+            ("--run-id", args.run_id),
         )
         if value is not None
     ]

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import re
 import signal
 import socket
 import sys
@@ -54,7 +55,7 @@ from nblaunch.errors import (
     RankFailedError,
     RendezvousTimeoutError,
 )
-from nblaunch.events import Event, EventSink, RunState
+from nblaunch.events import Event, EventSink, NullView, RunState
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
 from nblaunch.plan import LaunchPlan, detect_devices, plan_launch, serialize_payload
 from nblaunch.relay import Relay, log_line, open_private
@@ -67,6 +68,10 @@ from nblaunch.worker import TASK
 DEFAULT_PORT = 29400
 # torch's own default for the join timeout of the c10d rendezvous.
 DEFAULT_RDZV_TIMEOUT_S = 600.0
+# A run id chosen by the caller (rdzv_id=): it names store keys and a file, so plain characters.
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Where the notebook node's news about the other nodes is kept, in the run directory.
+NODES_LOG = "nodes.log"
 # Timeout of single store operations (a get, a push); generous, the network may be slow.
 STORE_TIMEOUT_S = 60.0
 # A node that sent nothing (not even its once-a-second beat) for this long is taken as lost.
@@ -392,6 +397,7 @@ def launch_multinode(
     device_type: str | None = None,
     run_dir: str | os.PathLike[str] | None = None,
     display: str = "auto",
+    rdzv_id: str | None = None,
     view: EventSink | None = None,
 ) -> list[Any]:
     """Run ``function`` on ``num_processes`` ranks on each of ``num_nodes`` nodes.
@@ -412,6 +418,9 @@ def launch_multinode(
         rendezvous, the process group's store and the event channel all use this one port.
     rdzv_timeout
         Seconds to wait for every node to join (default 600, torch's default).
+    rdzv_id
+        The run id (torchrun's ``--rdzv-id``), so that ``join --run-id RUN`` can be started
+        before the cell, by a batch script or ``srun``; default: the run directory's name.
     view
         Where events go, instead of the view ``display`` picks (for tests and other front ends).
 
@@ -446,6 +455,11 @@ def launch_multinode(
         raise LaunchError(f"rdzv_timeout must be a number of seconds, got {rdzv_timeout!r}")
     if rdzv_timeout <= 0:
         raise LaunchError(f"rdzv_timeout must be positive, got {rdzv_timeout!r}")
+    if rdzv_id is not None and not (isinstance(rdzv_id, str) and RUN_ID.match(rdzv_id)):
+        raise LaunchError(
+            f"rdzv_id={rdzv_id!r}: a run id is 1 to 64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
     host, port = parse_endpoint(rdzv_endpoint)
     listen_on(host, port).close()  # say now, in its own words, when we cannot listen there
     base = plan_launch(
@@ -471,7 +485,7 @@ def launch_multinode(
         num_nodes=num_nodes,
         nproc_per_node=base.world_size,
         node_rank=0,
-        rdzv_run_id=base.run_id,
+        rdzv_run_id=rdzv_id or base.run_id,
     )
     payload = serialize_payload(function, args, kwargs)
     if view is None:
@@ -730,7 +744,21 @@ class Head:
         return records
 
     def info(self, title: str, body: str, severity: str = "info") -> None:
-        """Show a line of news about the nodes (an ``info`` Diagnosis) at once."""
+        """Show a line of news about the nodes (an ``info`` Diagnosis) at once.
+
+        Whatever the display, it is also kept in the run directory's ``nodes.log`` (the secret
+        left out), and with ``display="none"`` it goes to stderr: the join command must reach
+        someone.
+        """
+        text = f"nblaunch: {title}\n" + "".join(f"  {line}\n" for line in body.splitlines())
+        if self.plan.run_dir is not None:
+            with (
+                contextlib.suppress(OSError),
+                open_private(self.plan.run_dir / NODES_LOG, "ab") as log,
+            ):
+                log.write(text.replace(self.secret.text, "<the run's secret>").encode())
+        if isinstance(self.view, NullView):
+            print(text, end="", file=sys.stderr, flush=True)
         self._show(
             {
                 "kind": "diagnosis",

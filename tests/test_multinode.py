@@ -474,3 +474,57 @@ def test_a_node_stopped_on_its_own_fails_the_run(nodes):
     assert joiner.wait(15) == 1, joiner.output()
     assert not joiner.descendants()
     assert wait_until(lambda: not rank_children(), 5)
+
+
+# --- pinned run ids, and the join command told whatever the display ---------------------------
+
+
+def _rank_and_run_id():
+    return os.environ["RANK"], os.environ["TORCHELASTIC_RUN_ID"]
+
+
+def test_a_pinned_run_id_lets_join_start_before_the_cell(nodes, tmp_path):
+    pinned = f"pinned-{os.getpid()}"
+    joiner = Joiner(nodes.endpoint, pinned, tmp_path / "early-joiner.log")
+    nodes.joiners.append(joiner)
+    time.sleep(1.0)  # the join command is waiting before the cell runs
+    results = notebook_launcher(
+        _rank_and_run_id,
+        (),
+        1,
+        num_nodes=2,
+        rdzv_endpoint=nodes.endpoint,
+        rdzv_id=pinned,
+        rdzv_timeout=60,
+        device_type="cpu",
+        run_dir=tmp_path / "runs" / "named-otherwise",
+        display="none",
+    )
+    assert results == [("0", pinned), ("1", pinned)]
+    assert joiner.wait(15) == 0, joiner.output()
+    assert f"joining run {pinned}" in joiner.output()
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "../up", "x" * 65, 7])
+def test_a_run_id_that_cannot_name_a_run_is_refused(bad):
+    with pytest.raises(LaunchError, match=r"rdzv_id=.*a run id is 1 to 64 letters"):
+        notebook_launcher(
+            print, num_processes=1, num_nodes=2, rdzv_endpoint=f"{HEAD}:{free_port()}", rdzv_id=bad
+        )
+
+
+def _one():
+    return 1
+
+
+def test_with_display_none_the_join_command_goes_to_stderr_and_the_log(nodes, capfd):
+    joiner = nodes.start_joiner()
+    assert nodes.launch(_one) == [1, 1]
+    assert joiner.wait(15) == 0, joiner.output()
+    err = capfd.readouterr().err
+    assert "nblaunch: waiting for 1 more node(s)" in err
+    assert f"python -m nblaunch join {nodes.endpoint} --run-id {nodes.run_id}" in err
+    assert "NBLAUNCH_RUN_SECRET=" in err  # what the other node needs, where it can be read
+    log = (nodes.run_dir / "nodes.log").read_text()
+    assert f"--run-id {nodes.run_id}" in log and "node 1 started" in log
+    assert "NBLAUNCH_RUN_SECRET=<the run's secret>" in log  # the secret stays out of files
