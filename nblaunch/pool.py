@@ -35,7 +35,7 @@ import time
 import warnings
 from typing import Any
 
-from nblaunch import debugger, worker
+from nblaunch import debugger, pickling, worker
 from nblaunch.errors import LaunchError
 from nblaunch.events import NullView, RunState
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DEVICE_TYPES, DISPLAY_MODES, START_METHODS
@@ -197,7 +197,7 @@ class Pool:
         self.last_failed_rank: int | None = None  # whose failure %dist debug opens
         self.current_task = ""
         self.restarts = 0
-        self._run: Any = None  # nblaunch.run.Run
+        self._run: Run | None = None  # the engine, while the pool runs
         self._task_id = 0
         self._pids: list[int | None] = []
 
@@ -334,17 +334,14 @@ class Pool:
             The value cannot be pickled (nothing was sent).
         """
         chosen = None if ranks is None else parse_ranks(ranks, self.world_size)
-        import cloudpickle
-
         try:
-            cloudpickle.dumps(value)
+            payload = pickling.dumps((_push_value, (name, value), {}))
         except Exception as exc:
             raise LaunchError(
                 f"{name} (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
                 f"sent to the ranks: {type(exc).__name__}: {exc}. Make it on the ranks, in a "
                 "%%distributed cell, instead."
             ) from None
-        payload = serialize_payload(_push_value, (name, value))
         self.run_payload(payload, ranks=chosen, description=f"push {name}", display="none")
 
     def debug(self, rank: int | None = None) -> None:

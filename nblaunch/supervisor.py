@@ -292,7 +292,6 @@ def reap_let_go(wait: bool = False) -> int:
             if time.monotonic() < deadline:
                 continue
             _signal_pid(process.pid, signal.SIGKILL)
-            process.join(5.0)
         process.join()
         semaphores.release(semaphore_dir, process.pid)
         with contextlib.suppress(ValueError):

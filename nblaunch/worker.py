@@ -33,11 +33,11 @@ from nblaunch.errors import safe_str
 from nblaunch.events import Event, Failure
 
 # Message kinds the parent sends down the task pipe.
-# After a rank hung up, how long its exit may wait for threads the user's code left running.
-EXIT_AFTER_HANG_UP_S = 1.0
 SETUP = "setup"
 TASK = "task"
 STOP = "stop"
+# After a rank hung up, how long its exit may wait for threads the user's code left running.
+EXIT_AFTER_HANG_UP_S = 1.0
 
 
 @dataclasses.dataclass
