@@ -33,7 +33,7 @@ import tempfile
 import time
 
 ROUNDS = 30
-ONE_SHOT_ROUNDS = 5
+ONE_SHOT_ROUNDS = 20
 PRINT_ROUNDS = 10
 CELL_TIMEOUT_S = 180.0
 

@@ -82,7 +82,9 @@ class Run:
 
     def start(self) -> None:
         """Start the ranks, open the relay, announce the run and send every rank its setup."""
-        self.supervisor.start(setup=self.plan.setup_message)
+        self.supervisor.start(
+            setup=self.plan.setup_message, wait_for_previous=self.plan.device_type != "cpu"
+        )
         self.relay = Relay(self.supervisor.ranks, self.view, self.plan.run_dir)
         self.announce()
         for rank in self.supervisor.ranks:
@@ -323,7 +325,9 @@ class Run:
         self.outcome = Outcome()
         self.monitors = parent_monitors(self.plan)  # fresh processes, fresh observations
         self.supervisor = Supervisor(self.plan.world_size, self.plan.start_method)
-        self.supervisor.start(setup=self.plan.setup_message)
+        self.supervisor.start(
+            setup=self.plan.setup_message, wait_for_previous=self.plan.device_type != "cpu"
+        )
         for rank in self.supervisor.ranks:
             self.relay.add(rank)
             self.set_state(rank.rank, RunState.STARTING, request.message)

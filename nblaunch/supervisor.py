@@ -120,11 +120,14 @@ class Supervisor:
         self,
         rank_ids: list[int] | None = None,
         setup: Callable[[int], dict[str, Any]] | None = None,
+        wait_for_previous: bool = True,
     ) -> None:
         """Start one process per rank, running :func:`nblaunch.worker.main`.
 
         ``setup(rank)``, when given, is sent to each rank as soon as its process exists, so a
-        rank sets itself up while the next one is still being started.
+        rank sets itself up while the next one is still being started. With
+        ``wait_for_previous`` (the default), ranks an earlier run let go are waited for first, so
+        new ranks never meet their memory on a device; CPU ranks need not wait.
 
         Raises
         ------
@@ -136,7 +139,7 @@ class Supervisor:
         from nblaunch import worker
 
         check_start_method(self.start_method)
-        reap_let_go(wait=True)
+        reap_let_go(wait=wait_for_previous)
         context = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             context.set_forkserver_preload(FORKSERVER_PRELOAD)
