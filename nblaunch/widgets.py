@@ -136,7 +136,7 @@ class RecordingView:
     """Keeps every event it is given, in order: a view for tests and for code that inspects a run.
 
     ``notebook_launcher``'s views are chosen by ``display=``; pass this one to
-    ``launcher.Run(plan, RecordingView())`` to look at exactly what a view would have been shown.
+    ``nblaunch.run.Run(plan, RecordingView())`` to see exactly what a view would have shown.
     """
 
     def __init__(self) -> None:
