@@ -191,6 +191,13 @@ class Run:
                 self.on_event(event)
             if rank.rank not in self.outcome.finished:
                 self.on_death(rank.rank, rank.exitcode)
+            elif rank.rank in self.outcome.results and not self._all_returned():
+                # A rank waits for STOP after its value: an exit now is a crash its peers,
+                # still running, may wait for in a collective that can never complete.
+                self.on_death(rank.rank, rank.exitcode, after_return=True)
+
+    def _all_returned(self) -> bool:
+        return len(self.outcome.results) == len(self.task_ranks)
 
     def watch(self) -> None:
         """Pump until every rank returned, a root cause is known, or the timeout runs out."""
@@ -333,8 +340,8 @@ class Run:
             self.set_state(rank.rank, RunState.STARTING, request.message)
         self.send_task(payload)
 
-    def on_death(self, rank: int, exitcode: int | None) -> None:
-        death = RootCause.death(rank, exitcode)
+    def on_death(self, rank: int, exitcode: int | None, after_return: bool = False) -> None:
+        death = RootCause.death(rank, exitcode, after_return)
         self.outcome.finished.add(rank)
         self.outcome.failures.append(death)
         self.set_state(rank, RunState.FAILED, death.message)

@@ -80,9 +80,16 @@ class RootCause:
         )
 
     @classmethod
-    def death(cls, rank: int, exitcode: int | None) -> RootCause:
-        """A rank process that ended without reporting (a crash, a kill, ``os._exit``)."""
+    def death(cls, rank: int, exitcode: int | None, after_return: bool = False) -> RootCause:
+        """A rank process that ended without reporting (a crash, a kill, ``os._exit``), or,
+        ``after_return``, one that returned and then ended while its peers still ran."""
         words, signum = errors.describe_exit(exitcode)
+        if after_return:
+            words = (
+                f"{words.replace(' without raising a Python exception', '')} after it "
+                "returned, while the other ranks still ran (they may wait for it in a "
+                "collective)"
+            )
         return cls(Cause.DEATH, rank, words, exitcode=exitcode, signal=signum)
 
     @property

@@ -432,6 +432,31 @@ def test_a_rank_that_dies_without_an_exception(body, exitcode, signum):
     assert "rank 1 of 2" in str(error) and "last words" in str(error)
 
 
+def return_then_crash() -> str | None:
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:  # returns, then its process ends before the run does
+        threading.Thread(target=lambda: (time.sleep(0.3), os._exit(1)), daemon=True).start()
+        return "rank 1 returned"
+    time.sleep(0.1)
+    dist.all_reduce(torch.ones(1))  # waits for rank 1, which never comes
+    return None
+
+
+def test_a_rank_that_returned_and_then_crashed_is_the_root_cause():
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(return_then_crash, debug=True)
+    assert time.monotonic() - started < 10
+    assert (info.value.rank, info.value.exitcode) == (1, 1)
+    assert str(info.value).startswith(
+        "rank 1 of 2 exited with code 1 after it returned, while the other ranks still ran"
+    )
+
+
 def test_an_exception_that_cannot_be_recreated_becomes_rank_failed_error():
     def odd():
         class Unpicklable(Exception):

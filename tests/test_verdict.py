@@ -154,6 +154,10 @@ def test_outcome_words_and_descriptions():
     assert RootCause.death(0, 3).describe() == (
         "rank 0 exited with code 3 without raising a Python exception"
     )
+    assert RootCause.death(1, -9, after_return=True).message.startswith(
+        "was killed by SIGKILL (killed from outside, often by the out-of-memory killer) after it "
+        "returned, while the other ranks still ran"
+    )
     outcome = Outcome(failures=[root, RootCause.death(0, -11)])
     assert [f.rank for f in outcome.deaths()] == [0]
     assert outcome.primaries() == outcome.failures
