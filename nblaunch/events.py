@@ -202,6 +202,24 @@ class Diagnosis(TypedDict):
     secondary: list[str]  # one line per secondary failure folded under the root cause
 
 
+def diagnosis(
+    title: str,
+    body: str,
+    severity: Literal["error", "warning", "info"],
+    rank: int | None,
+    secondary: list[str] | None = None,
+) -> Diagnosis:
+    """A ``Diagnosis`` record (``secondary``: the other ranks' failures, one line each)."""
+    return {
+        "kind": "diagnosis",
+        "title": title,
+        "body": body,
+        "severity": severity,
+        "rank": rank,
+        "secondary": secondary or [],
+    }
+
+
 class RunEnded(TypedDict):
     kind: Literal["run_ended"]
     ok: bool

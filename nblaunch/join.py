@@ -38,8 +38,11 @@ from nblaunch.multinode import (
     rendezvous_handler,
     unshared_rendezvous_store,
 )
-from nblaunch.supervisor import warm_up
+from nblaunch.relay import Relay
+from nblaunch.run import STOP_GRACE_S
+from nblaunch.supervisor import Supervisor, warm_up
 from nblaunch.trust import RunSecret, secret_for_join
+from nblaunch.worker import STOP, TASK
 
 # How long a joining node waits for the run's settings to appear in the store.
 CONFIG_WAIT_S = 10.0
@@ -369,11 +372,6 @@ class NodeRun:
         self._last_control_check = 0.0
 
     def run(self) -> int:
-        from nblaunch.relay import Relay
-        from nblaunch.run import STOP_GRACE_S
-        from nblaunch.supervisor import Supervisor
-        from nblaunch.worker import STOP, TASK
-
         plan = self.plan
         uplink = self.uplink
         supervisor = Supervisor(plan.world_size, plan.start_method)

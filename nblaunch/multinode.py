@@ -35,6 +35,7 @@ signal handlers.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -55,10 +56,10 @@ from nblaunch.errors import (
     RankFailedError,
     RendezvousTimeoutError,
 )
-from nblaunch.events import Event, EventSink, NullView, RunState
+from nblaunch.events import Event, EventSink, NullView, RunState, diagnosis
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
 from nblaunch.plan import LaunchPlan, detect_devices, plan_launch, serialize_payload
-from nblaunch.relay import Relay, log_line, open_private
+from nblaunch.relay import TAIL_LINES, Relay, log_line, open_private
 from nblaunch.run import Run
 from nblaunch.supervisor import Supervisor, warm_up
 from nblaunch.trust import SECRET_ENV, RunSecret, SigningStore, remove_secret_file
@@ -747,32 +748,23 @@ class Head:
         """Show a line of news about the nodes (an ``info`` Diagnosis) at once.
 
         Whatever the display, it is also kept in the run directory's ``nodes.log`` (the secret
-        left out), and with ``display="none"`` it goes to stderr: the join command must reach
-        someone.
+        left out), and with ``display="none"``, or when it is a warning, it goes to stderr: the
+        join command must reach someone, and tampering is said even where no view is watched.
         """
-        text = f"nblaunch: {title}\n" + "".join(f"  {line}\n" for line in body.splitlines())
+        head = f"nblaunch: warning: {title}" if severity == "warning" else f"nblaunch: {title}"
+        text = f"{head}\n" + "".join(f"  {line}\n" for line in body.splitlines())
         if self.plan.run_dir is not None:
             with (
                 contextlib.suppress(OSError),
                 open_private(self.plan.run_dir / NODES_LOG, "ab") as log,
             ):
                 log.write(text.replace(self.secret.text, "<the run's secret>").encode())
-        if isinstance(self.view, NullView):
+        if isinstance(self.view, NullView) or severity == "warning":
             print(text, end="", file=sys.stderr, flush=True)
-        self._show(
-            {
-                "kind": "diagnosis",
-                "title": title,
-                "body": body,
-                "severity": severity,
-                "rank": None,
-                "secondary": [],
-            }
-        )
+        self._show(diagnosis(title, body, severity, None))
 
     def _warn(self, title: str, body: str) -> None:
-        """Tampering seen: a warning in the view, and on stderr (the log) whatever the view."""
-        print(f"nblaunch: warning: {title}. {body}", file=sys.stderr)
+        """Tampering seen: a warning in the view, and on stderr whatever the view."""
         self.info(title, body, severity="warning")
 
     def _show(self, event: Event) -> None:
@@ -899,10 +891,6 @@ class NodesRelay(Relay):
 
 
 def _new_tail() -> Any:
-    import collections
-
-    from nblaunch.relay import TAIL_LINES
-
     return collections.deque(maxlen=TAIL_LINES)
 
 

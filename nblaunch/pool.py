@@ -36,8 +36,8 @@ import warnings
 from typing import Any
 
 from nblaunch import debugger, pickling, worker
-from nblaunch.errors import LaunchError
-from nblaunch.events import NullView, RunState
+from nblaunch.errors import LaunchError, describe_exit
+from nblaunch.events import NullView, RunState, diagnosis
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DEVICE_TYPES, DISPLAY_MODES, START_METHODS
 from nblaunch.plan import plan_launch, serialize_payload
 from nblaunch.run import Run
@@ -577,8 +577,6 @@ class Pool:
         if self.state in (PoolState.STARTING, PoolState.BUSY):
             raise LaunchError(f"the pool is busy: {self.describe()}")
         if self.state is PoolState.IDLE:  # a rank may have died since the last task
-            from nblaunch.errors import describe_exit
-
             dead = self._run.supervisor.reap()
             if dead:
                 words, _ = describe_exit(dead[0].exitcode)
@@ -660,14 +658,12 @@ class Pool:
         )
         if note:
             run.publish(
-                {
-                    "kind": "diagnosis",
-                    "title": "the pool lost a rank" if deaths else "the pool was restarted",
-                    "body": note,
-                    "severity": "warning",
-                    "rank": deaths[0].rank if deaths else pending[0],
-                    "secondary": [],
-                }
+                diagnosis(
+                    "the pool lost a rank" if deaths else "the pool was restarted",
+                    note,
+                    "warning",
+                    deaths[0].rank if deaths else pending[0],
+                )
             )
         run.publish(run.run_ended(ok))
         run.view.close()

@@ -15,7 +15,7 @@ from typing import Any
 
 from nblaunch import debugger, verdict
 from nblaunch.errors import LaunchError
-from nblaunch.events import Event, EventSink, NullView, RunState, Task
+from nblaunch.events import Event, EventSink, NullView, RunState, Task, diagnosis
 from nblaunch.features import Monitor, parent_monitors
 from nblaunch.plan import LaunchPlan, choose_port
 from nblaunch.relay import Relay
@@ -82,13 +82,17 @@ class Run:
 
     def start(self) -> None:
         """Start the ranks, open the relay, announce the run and send every rank its setup."""
-        self.supervisor.start(
-            setup=self.plan.setup_message, wait_for_previous=self.plan.device_type != "cpu"
-        )
+        self._start_processes()
         self.relay = Relay(self.supervisor.ranks, self.view, self.plan.run_dir)
         self.announce()
         for rank in self.supervisor.ranks:
             self.set_state(rank.rank, RunState.STARTING)
+
+    def _start_processes(self) -> None:
+        # GPU ranks wait for an earlier run's ranks to be gone: their device memory comes first.
+        self.supervisor.start(
+            setup=self.plan.setup_message, wait_for_previous=self.plan.device_type != "cpu"
+        )
 
     def announce(self, warnings: list[str] | None = None, notes: list[str] | None = None) -> None:
         """Publish the run's header (``RunInfo``); a pool sends one per task, to each new view."""
@@ -205,7 +209,7 @@ class Run:
         deadline = None if self.plan.timeout is None else time.monotonic() + self.plan.timeout
         while True:
             self.pump(0.05)
-            if len(outcome.results) == len(self.task_ranks):
+            if self._all_returned():
                 return
             for monitor in [] if self._debugger_pauses() else self.monitors:
                 root = monitor.check(self)
@@ -236,14 +240,12 @@ class Run:
         process = next((p for p in self.supervisor.ranks if p.rank == rank), None)
         if process is None:  # a rank on another node: its pipe is not ours
             self.publish(
-                {
-                    "kind": "diagnosis",
-                    "title": f"breakpoint() on rank {rank} (another node) cannot be answered here",
-                    "body": "Debug ranks of this machine, or run the code on one node.",
-                    "severity": "warning",
-                    "rank": rank,
-                    "secondary": [],
-                }
+                diagnosis(
+                    f"breakpoint() on rank {rank} (another node) cannot be answered here",
+                    "Debug ranks of this machine, or run the code on one node.",
+                    "warning",
+                    rank,
+                )
             )
             return
         if rank not in self.debugging:
@@ -332,9 +334,7 @@ class Run:
         self.outcome = Outcome()
         self.monitors = parent_monitors(self.plan)  # fresh processes, fresh observations
         self.supervisor = Supervisor(self.plan.world_size, self.plan.start_method)
-        self.supervisor.start(
-            setup=self.plan.setup_message, wait_for_previous=self.plan.device_type != "cpu"
-        )
+        self._start_processes()
         for rank in self.supervisor.ranks:
             self.relay.add(rank)
             self.set_state(rank.rank, RunState.STARTING, request.message)
@@ -456,7 +456,7 @@ class Run:
         """Return the results by rank, or raise the root cause."""
         __tracebackhide__ = True
         outcome = self.outcome
-        if outcome.root is None and len(outcome.results) == len(self.task_ranks):
+        if outcome.root is None and self._all_returned():
             return verdict.values(outcome, self.task_ranks)
         root = outcome.root or RootCause(Cause.TIMEOUT, 0, "no rank reported")
         raise self.exception_for(root)
@@ -470,7 +470,7 @@ class Run:
             run_dir=self.plan.run_dir,
             tails=self.relay.tails if self.relay is not None else {},
         )
-        exc, diagnosis = verdict.exception_for(root, self.outcome, context)
-        if diagnosis is not None:
-            self.publish(diagnosis)
+        exc, shown = verdict.exception_for(root, self.outcome, context)
+        if shown is not None:
+            self.publish(shown)
         return exc

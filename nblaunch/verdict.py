@@ -19,7 +19,7 @@ from typing import Any
 
 from nblaunch import errors, tracebacks
 from nblaunch.errors import LaunchError, LaunchTimeoutError, RankFailedError
-from nblaunch.events import Diagnosis, Failure
+from nblaunch.events import Diagnosis, Failure, diagnosis
 
 # How long a secondary failure ("connection reset by peer") waits for the primary one to show.
 SECONDARY_GRACE_S = 3.0
@@ -205,8 +205,8 @@ def exception_for(
         hint = debug_hint(root, exc, context.debug)
         if hint:
             add_note(exc, hint)
-        diagnosis = _diagnosis(root.title or str(exc).splitlines()[0], str(exc), rank, others)
-        return exc, diagnosis
+        title = root.title or str(exc).splitlines()[0]
+        return exc, diagnosis(title, str(exc), "error", rank, others)
     if root.cause is Cause.TIMEOUT:  # the view says it with the ranks' badges
         return LaunchTimeoutError(root.message, rank=rank, world_size=n), None
     if root.cause is Cause.DEATH:
@@ -225,7 +225,7 @@ def exception_for(
             rank=rank,
             world_size=n,
         )
-        return exc, _diagnosis(str(exc), str(exc), rank, [])
+        return exc, diagnosis(str(exc), str(exc), "error", rank)
     else:
         exc = recreate_exception(root, n)
     if isinstance(exc, SystemExit):  # never ends the caller's script or kernel
@@ -246,7 +246,7 @@ def exception_for(
         note += f"\n{hint}"
     add_note(exc, note)
     title = f"rank {rank} of {n} failed: {root.describe()}"
-    return exc, _diagnosis(title, root.traceback or root.message, rank, others)
+    return exc, diagnosis(title, root.traceback or root.message, "error", rank, others)
 
 
 def same_failure_everywhere(
@@ -335,17 +335,6 @@ def add_note(exc: BaseException, note: str) -> None:
 
 def short_type(qualified: str) -> str:
     return qualified.removeprefix("builtins.")
-
-
-def _diagnosis(title: str, body: str, rank: int, others: list[str]) -> Diagnosis:
-    return {
-        "kind": "diagnosis",
-        "title": title,
-        "body": body,
-        "severity": "error",
-        "rank": rank,
-        "secondary": others,
-    }
 
 
 def _indent(text: str) -> str:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from nblaunch import process_groups, worker
 from nblaunch.errors import DistributedHangError, RankFailedError
-from nblaunch.events import Diagnosis, Heartbeat, InFlightInfo, RunState
+from nblaunch.events import Heartbeat, InFlightInfo, RunState, diagnosis
 from nblaunch.verdict import Cause, RootCause
 from nblaunch.worker import RankContext, add_task_hook, emit
 
@@ -847,15 +847,7 @@ class HangMonitor:
             f"{shares}\nRank {rank} computes while the others wait for it in collectives: "
             "a slower device, more data on that rank, or work only that rank does."
         )
-        diagnosis: Diagnosis = {
-            "kind": "diagnosis",
-            "title": title,
-            "body": body,
-            "severity": "info",
-            "rank": rank,
-            "secondary": [],
-        }
-        run.publish(diagnosis)
+        run.publish(diagnosis(title, body, "info", rank))
 
 
 def find_straggler(stats: dict[int, tuple[float, float]]) -> tuple[int, float] | None:

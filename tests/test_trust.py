@@ -17,6 +17,7 @@ import cloudpickle
 import pytest
 from conftest import wait_until
 from test_multinode import HEAD, Recorder, TwoNodes
+from test_multinode import nodes as nodes  # the same two-node fixture
 
 from nblaunch import AuthenticationError, RendezvousTimeoutError
 from nblaunch.trust import RunSecret, SigningStore
@@ -103,14 +104,6 @@ class Attacker:
     @property
     def pwned(self) -> bool:
         return (self.out / "pwned").exists()
-
-
-@pytest.fixture
-def nodes(tmp_path):
-    two = TwoNodes(tmp_path)
-    yield two
-    for joiner in two.joiners:
-        joiner.close()
 
 
 # --- the pieces ----------------------------------------------------------------------------------
