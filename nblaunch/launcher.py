@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from nblaunch import spares
 from nblaunch.errors import LaunchError
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
 from nblaunch.plan import (  # noqa: F401  (kept importable from here)
@@ -172,7 +173,11 @@ def notebook_launcher(
         view = DeferredView(view)  # a launch over in a moment gets its summary alone
     if plan.device_type == "xla":
         return _launch_xla(plan, payload)
-    return Run(plan, view).execute(payload)
+    try:
+        return Run(plan, view).execute(payload)
+    finally:
+        # The notebook will likely run this again: have its ranks' processes ready by then.
+        spares.fork_ahead(plan.world_size, plan.start_method)
 
 
 def debug_launcher(function: Any, args: tuple[Any, ...] = (), num_processes: int = 2) -> list[Any]:

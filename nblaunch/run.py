@@ -13,7 +13,7 @@ import dataclasses
 import time
 from typing import Any
 
-from nblaunch import debugger, verdict
+from nblaunch import debugger, spares, verdict
 from nblaunch.errors import LaunchError
 from nblaunch.events import Event, EventSink, NullView, RunState, Task, diagnosis
 from nblaunch.features import Monitor, parent_monitors
@@ -90,9 +90,12 @@ class Run:
 
     def _start_processes(self) -> None:
         # GPU ranks wait for an earlier run's ranks to be gone: their device memory comes first.
-        self.supervisor.start(
-            setup=self.plan.setup_message, wait_for_previous=self.plan.device_type != "cpu"
-        )
+        wait = self.plan.device_type != "cpu"
+        taken = spares.take(self.plan.start_method, list(range(self.plan.world_size)))
+        if taken is not None:
+            self.supervisor.adopt(taken.ranks, taken.tree_marker, self.plan.setup_message, wait)
+        else:
+            self.supervisor.start(setup=self.plan.setup_message, wait_for_previous=wait)
 
     def announce(self, warnings: list[str] | None = None, notes: list[str] | None = None) -> None:
         """Publish the run's header (``RunInfo``); a pool sends one per task, to each new view."""
@@ -251,7 +254,7 @@ class Run:
         if rank not in self.debugging:
             self.debugging[rank] = time.monotonic()
             self.set_state(rank, RunState.DEBUGGING, "waiting for your command (c continues)")
-            self._say_waiting(f"waiting for rank {rank} (in the debugger)")
+            self._say_waiting(self._waiting_detail())
             self.view.flush(force=True)  # the badges show before the prompt blocks this thread
         line = debugger.ask(rank, event["output"], event["prompt"])
         self.supervisor.send(process, {"kind": "debug_input", "line": line})
@@ -268,10 +271,21 @@ class Run:
             if not self.debugging:
                 self._say_waiting("")
 
+    def _waiting_detail(self) -> str:
+        """What a rank not in the debugger does while another is (empty when none is)."""
+        if not self.debugging:
+            return ""
+        return f"waiting for rank {min(self.debugging)} (in the debugger)"
+
     def _say_waiting(self, detail: str) -> None:
-        """The other running ranks' badges: waiting for a rank in the debugger, or not."""
+        """The other running ranks' badges: waiting for a rank in the debugger, or not.
+
+        A rank still starting is counted too: a rank in its user code has joined the process
+        group with all of them, and their own "started" may be read only after the prompt.
+        """
         for rank in self.task_ranks:
-            if self.states.get(rank) is RunState.RUNNING and rank not in self.debugging:
+            state = self.states.get(rank)
+            if state in (RunState.RUNNING, RunState.STARTING) and rank not in self.debugging:
                 self.publish(
                     {"kind": "state", "rank": rank, "state": RunState.RUNNING, "detail": detail}
                 )
@@ -282,7 +296,7 @@ class Run:
         kind = event["kind"]
         rank = event.get("rank")
         if kind == "started":
-            self.set_state(rank, RunState.RUNNING)
+            self.set_state(rank, RunState.RUNNING, self._waiting_detail())
         elif kind == "result":
             self.outcome.results[rank] = event["value_bytes"]
         elif kind == "failure":

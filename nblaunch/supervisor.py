@@ -134,15 +134,36 @@ class Supervisor:
         LaunchError
             When the start method is refused (``fork`` after CUDA was initialised).
         """
-        import torch.multiprocessing as mp
-
-        from nblaunch import worker
-
         check_start_method(self.start_method)
         reap_let_go(wait=wait_for_previous)
-        context = mp.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        self._prepare()
+        try:
+            for rank in rank_ids if rank_ids is not None else range(self.world_size):
+                self.ranks.append(self.fork_rank(rank))
+                if setup is not None:
+                    self.send(self.ranks[-1], setup(rank))
+        except BaseException:
+            self.stop(grace=1.0)
+            raise
+
+    def adopt(
+        self,
+        ranks: list[RankProcess],
+        tree_marker: str,
+        setup: Callable[[int], dict[str, Any]],
+        wait_for_previous: bool = True,
+    ) -> None:
+        """Take over rank processes forked ahead (:mod:`nblaunch.spares`) instead of starting
+        new ones, and send each its set-up, which brings it up to this process's state."""
+        check_start_method(self.start_method)
+        reap_let_go(wait=wait_for_previous)
+        self._prepare()
+        self.tree_marker = tree_marker
+        self.ranks.extend(ranks)
+        for rank in ranks:
+            self.send(rank, setup(rank.rank))
+
+    def _prepare(self) -> None:
         # Ranks must share this process's resource tracker (forked ones too), so that what a
         # killed rank left registered can be released from here (nblaunch.semaphores).
         from multiprocessing import resource_tracker
@@ -150,38 +171,43 @@ class Supervisor:
         resource_tracker.ensure_running()
         if self.semaphore_dir is None:
             self.semaphore_dir = semaphores.directory()
+
+    def fork_rank(self, rank: int) -> RankProcess:
+        """Start one process running :func:`nblaunch.worker.main`; it waits for its set-up."""
+        import torch.multiprocessing as mp
+
+        from nblaunch import worker
+
+        if self.semaphore_dir is None:
+            self._prepare()
+        context = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        conn, child_conn = context.Pipe(duplex=True)
+        stdout_r, stdout_w = context.Pipe(duplex=False)
+        stderr_r, stderr_w = context.Pipe(duplex=False)
+        _enlarge_pipe(stdout_w.fileno())
+        process = context.Process(
+            target=worker.main,
+            args=(
+                rank,
+                child_conn,
+                stdout_w,
+                stderr_w,
+                os.getpid(),
+                self.semaphore_dir,
+                self.tree_marker,
+            ),
+            name=f"nblaunch-rank-{rank}",
+            daemon=False,
+        )
         try:
             with _main_module_hidden():
-                for rank in rank_ids if rank_ids is not None else range(self.world_size):
-                    conn, child_conn = context.Pipe(duplex=True)
-                    stdout_r, stdout_w = context.Pipe(duplex=False)
-                    stderr_r, stderr_w = context.Pipe(duplex=False)
-                    _enlarge_pipe(stdout_w.fileno())
-                    process = context.Process(
-                        target=worker.main,
-                        args=(
-                            rank,
-                            child_conn,
-                            stdout_w,
-                            stderr_w,
-                            os.getpid(),
-                            self.semaphore_dir,
-                            self.tree_marker,
-                        ),
-                        name=f"nblaunch-rank-{rank}",
-                        daemon=False,
-                    )
-                    try:
-                        process.start()
-                    finally:
-                        for end in (child_conn, stdout_w, stderr_w):
-                            end.close()
-                    self.ranks.append(RankProcess(rank, process, conn, stdout_r, stderr_r))
-                    if setup is not None:
-                        self.send(self.ranks[-1], setup(rank))
-        except BaseException:
-            self.stop(grace=1.0)
-            raise
+                process.start()
+        finally:
+            for end in (child_conn, stdout_w, stderr_w):
+                end.close()
+        return RankProcess(rank, process, conn, stdout_r, stderr_r)
 
     def send(self, rank: RankProcess, message: dict[str, Any]) -> bool:
         """Send a message down a rank's pipe; False when the rank has gone."""
@@ -335,6 +361,13 @@ def cuda_initialized() -> bool:
         return False
 
 
+def main_module_has_source() -> bool:
+    """True when ``__main__`` is a script or module that multiprocessing would re-import in
+    every ``spawn``/``forkserver`` child (a notebook kernel's ``__main__`` is neither)."""
+    main = sys.modules["__main__"]
+    return getattr(main, "__spec__", None) is not None or hasattr(main, "__file__")
+
+
 @contextlib.contextmanager
 def _main_module_hidden() -> Iterator[None]:
     """Keep ``spawn``/``forkserver`` children from re-running the caller's main script.
@@ -345,6 +378,9 @@ def _main_module_hidden() -> Iterator[None]:
     multiprocessing a main module with no file while processes start.
     """
     real_main = sys.modules["__main__"]
+    if not main_module_has_source():  # a notebook's: nothing to hide, and nothing swapped
+        yield
+        return
     stand_in = types.ModuleType("__main__")
     stand_in.__spec__ = None
     sys.modules["__main__"] = stand_in
