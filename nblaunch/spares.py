@@ -96,6 +96,14 @@ def take(start_method: str, rank_ids: list[int]) -> Spares | None:
     return None
 
 
+def pids() -> list[int]:
+    """The processes of the spares waiting now (once the thread forking them is done)."""
+    if _forking is not None:
+        _forking.join()
+    with _lock:
+        return [rank.pid for rank in _spares.ranks] if _spares is not None else []
+
+
 def discard() -> None:
     """Let every spare go: each exits when its pipe closes."""
     spares = _claim()

@@ -70,6 +70,19 @@ def rank_children() -> list[psutil.Process]:
     return ranks
 
 
+# Run in a kernel: the pids of its live descendants other than multiprocessing's helpers and
+# the spare ranks waiting for the next launch (nblaunch.spares): ranks left behind.
+RANKS_LEFT_CODE = """
+import psutil
+import nblaunch.spares
+from multiprocessing import forkserver, resource_tracker
+helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
+helpers.update(nblaunch.spares.pids())
+print(sorted(p.pid for p in psutil.Process().children(recursive=True)
+             if p.pid not in helpers and p.status() != psutil.STATUS_ZOMBIE))
+"""
+
+
 class Kernel:
     """A real IPython kernel (jupyter_client, as nbclient drives it) to run cells in.
 

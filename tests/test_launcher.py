@@ -16,7 +16,7 @@ import traceback
 
 import psutil
 import pytest
-from conftest import rank_children, wait_until
+from conftest import RANKS_LEFT_CODE, rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, LaunchTimeoutError, RankFailedError, notebook_launcher
@@ -747,14 +747,8 @@ def test_in_a_kernel_errors_show_the_cell_line_and_interrupt_stops_every_rank(ke
     )
     assert interrupted["error"] == "KeyboardInterrupt", interrupted
     assert interrupted["seconds"] < 3.0 + 5.0
-    ranks_left = kernel.run(
-        "import psutil\n"
-        "from multiprocessing import forkserver as fs, resource_tracker as rt\n"
-        "helpers = {fs._forkserver._forkserver_pid, rt._resource_tracker._pid}\n"
-        "print(len([c for c in psutil.Process().children(recursive=True)\n"
-        "           if c.pid not in helpers and c.status() != psutil.STATUS_ZOMBIE]))"
-    )
-    assert ranks_left["out"].strip() == "0", ranks_left
+    ranks_left = kernel.run(RANKS_LEFT_CODE)
+    assert ranks_left["out"].strip() == "[]", ranks_left
     again = kernel.run("notebook_launcher(lambda: nblaunch.rank(), (), 2, display='none')")
     assert again["result"] == "[0, 1]", again
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import ROOT, WIDGET_STATE, WIDGET_VIEW, load_run_notebook
+from conftest import RANKS_LEFT_CODE, ROOT, WIDGET_STATE, WIDGET_VIEW, load_run_notebook
 
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
 
@@ -126,13 +126,6 @@ def work():
 notebook_launcher(work, num_processes=2, display="auto")
 """
 
-CHILDREN_CODE = """
-from multiprocessing import forkserver, resource_tracker
-helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
-print(sorted(p.pid for p in psutil.Process().children(recursive=True)
-             if p.pid not in helpers and p.status() != psutil.STATUS_ZOMBIE))
-"""
-
 
 class _Kernel:
     """A real ipykernel, driven message by message like a frontend."""
@@ -200,7 +193,7 @@ def test_stop_button_interrupts_every_rank_while_the_cell_runs(tmp_path):
         assert errors == ["KeyboardInterrupt"]
         assert finished_at - clicked_at < 10.0  # the interrupt escalates within a few seconds
         # No rank is left behind, and a later cell gets nothing from the stopped run.
-        msg_id = kernel.client.execute(CHILDREN_CODE)
+        msg_id = kernel.client.execute(RANKS_LEFT_CODE)
         later = [m for m in kernel.messages(msg_id, timeout=30) if m is not None]
         later = [m for m in later if m["parent_header"].get("msg_id") == msg_id]
         streams = [m["content"]["text"] for m in later if m["msg_type"] == "stream"]

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, rank_children, wait_until
+from conftest import RANKS_LEFT_CODE, ROOT, rank_children, wait_until
 
 from nblaunch import (
     DistributedHangError,
@@ -250,11 +250,5 @@ def test_in_a_kernel_a_rank_that_left_a_ddp_loop_fails_the_cell_with_its_line(ke
     assert (
         "at Cell In[1]:6 in train: `model(torch.randn(8, 4)).sum().backward()`" in (cell["message"])
     ), cell["message"]
-    left = kernel.run(
-        "import psutil\n"
-        "from multiprocessing import forkserver as fs, resource_tracker as rt\n"
-        "helpers = {fs._forkserver._forkserver_pid, rt._resource_tracker._pid}\n"
-        "print(len([c for c in psutil.Process().children(recursive=True)\n"
-        "           if c.pid not in helpers and c.status() != psutil.STATUS_ZOMBIE]))"
-    )
-    assert left["out"].strip() == "0", left
+    left = kernel.run(RANKS_LEFT_CODE)
+    assert left["out"].strip() == "[]", left
