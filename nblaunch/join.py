@@ -26,6 +26,7 @@ from nblaunch.multinode import (
     CONFIG_VERSION,
     CONTROL_INTERRUPT,
     CONTROL_OK,
+    CONTROL_REJOIN,
     CONTROL_STOP,
     PUSH_INTERVAL_S,
     Keys,
@@ -40,7 +41,7 @@ from nblaunch.multinode import (
 )
 from nblaunch.relay import Relay
 from nblaunch.run import STOP_GRACE_S
-from nblaunch.supervisor import Supervisor, warm_up
+from nblaunch.supervisor import Supervisor, signal_pid, warm_up
 from nblaunch.trust import RunSecret, secret_for_join
 from nblaunch.worker import STOP, TASK
 
@@ -54,6 +55,10 @@ CONTROL_INTERVAL_S = 0.1
 EXIT_OK = 0
 EXIT_FAILED = 1  # the run failed, was stopped or interrupted, or the notebook went away
 EXIT_USAGE = 2  # no such run, endpoint unreachable: nothing ran here
+# Not an exit code: a pool restarts, and this node joins its next start.
+REJOIN = -1
+# How long a pool's node waits for the old rendezvous to close before joining the next one.
+OLD_STORE_WAIT_S = 30.0
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -130,12 +135,34 @@ def join(
 ) -> int:
     """Join the run ``run_id`` hosted at ``endpoint``; return the command's exit code.
 
+    A pool's node stays in the pool across its restarts (``%dist restart``): after each, it
+    joins the next start, waiting up to ``connect_timeout`` for it; it ends when the pool is
+    closed.
+
     Returns
     -------
     int
-        0 when every rank of the run returned; 1 when the run failed, was interrupted or
-        stopped, or the notebook went away; 2 when this node could not take part at all.
+        0 when every rank of the run returned (or the pool was closed); 1 when the run failed,
+        was interrupted or stopped, or the notebook went away; 2 when this node could not take
+        part at all.
     """
+    while True:
+        code = _join_once(
+            endpoint, run_id, start_method, local_addr, connect_timeout, secret_file, out
+        )
+        if code != REJOIN:
+            return code
+
+
+def _join_once(
+    endpoint: str,
+    run_id: str,
+    start_method: str,
+    local_addr: str | None,
+    connect_timeout: float,
+    secret_file: str | None,
+    out: TextIO | None,
+) -> int:
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousClosedError,
         RendezvousError,
@@ -238,8 +265,8 @@ def join(
     plan = plan_for_joined_node(
         config, node_rank=node_rank, run_id=run_id, master_addr=host, start_method=start_method
     )
-    try:
-        payload = secret.open(store.get(keys.payload), keys.payload)
+    try:  # a pool's tasks come one by one, later
+        payload = None if plan.pool else secret.open(store.get(keys.payload), keys.payload)
     except AuthenticationError as exc:
         say(f"{exc}; nothing was started")
         return EXIT_FAILED
@@ -349,7 +376,7 @@ class NodeRun:
     def __init__(
         self,
         plan: MultiNodePlan,
-        payload: bytes,
+        payload: bytes | None,
         store: Any,
         keys: Keys,
         name: str,
@@ -370,6 +397,11 @@ class NodeRun:
         self.finished: set[int] = set()
         self.returned: set[int] = set()
         self._last_control_check = 0.0
+        self._control_value: str | None = None  # the last one the notebook set
+        # A pool's tasks, numbered from 0 at each start: the next to take, the one running.
+        self.next_task = 0
+        self.task: int | None = None
+        self.interrupted = False
 
     def run(self) -> int:
         plan = self.plan
@@ -384,13 +416,15 @@ class NodeRun:
             relay = Relay(supervisor.ranks, uplink, None)
             for rank in supervisor.ranks:
                 supervisor.send(rank, plan.setup_message(rank.rank))
-                supervisor.send(rank, {"kind": TASK, "payload": self.payload, "task_id": 0})
+                if self.payload is not None:
+                    supervisor.send(rank, {"kind": TASK, "payload": self.payload, "task_id": 0})
             interrupted = False
             while True:
                 self._note(relay.poll(0.05))
                 for rank in supervisor.reap():
                     self._note(relay.drain_events(rank.rank))
-                    if rank.rank not in self.finished:
+                    # A pool's rank waits for tasks until told to stop: any exit is a death.
+                    if plan.pool or rank.rank not in self.finished:
                         self.finished.add(rank.rank)
                         uplink.handle(
                             {"kind": "death", "rank": rank.rank, "exitcode": rank.exitcode}
@@ -399,6 +433,8 @@ class NodeRun:
                     self.say(f"lost the notebook ({uplink.lost}); stopping this node's ranks")
                     break
                 control = self._control()
+                if control is None and plan.pool:
+                    self._take_tasks(supervisor)
                 if control == CONTROL_INTERRUPT and not interrupted:
                     interrupted = True
                     supervisor.interrupt()
@@ -413,6 +449,9 @@ class NodeRun:
                     break
                 elif control == CONTROL_STOP:
                     outcome = "interrupted" if interrupted else "stopped by the notebook"
+                    break
+                elif control == CONTROL_REJOIN:
+                    outcome = "stopped: the pool restarts"
                     break
         except KeyboardInterrupt:
             outcome = "interrupted on this node"
@@ -432,7 +471,57 @@ class NodeRun:
                 relay.close()
             supervisor.close()
         self.say(f"run {plan.run_id}: {outcome}")
+        if self._control_value == CONTROL_REJOIN:
+            self._wait_for_old_store()
+            self.say("joining the pool's next start")
+            return REJOIN
         return EXIT_OK if outcome == "finished" else EXIT_FAILED
+
+    def _take_tasks(self, supervisor: Supervisor) -> None:
+        """A pool's next task, and the notebook's interrupt of the running one (from the store)."""
+        try:
+            key = self.keys.task(self.next_task)
+            if self.store.check([key]):
+                record = self.secret.open(self.store.get(key), key)
+                ranks = record["ranks"]
+                message = {
+                    "kind": TASK,
+                    "payload": record["payload"],
+                    "task_id": record["task_id"],
+                    "all_ranks": len(ranks) == self.plan.world_size,
+                }
+                for rank in supervisor.ranks:
+                    if rank.rank in ranks:
+                        supervisor.send(rank, message)
+                self.task, self.next_task, self.interrupted = (
+                    self.next_task,
+                    self.next_task + 1,
+                    False,
+                )
+            if self.task is not None and not self.interrupted:
+                key = self.keys.interrupt(self.task)
+                if self.store.check([key]):
+                    ranks = self.secret.open(self.store.get(key), key)
+                    self.interrupted = True
+                    for rank in supervisor.ranks:
+                        if rank.rank in ranks and not rank.ended:
+                            signal_pid(rank.pid, signal.SIGINT)
+        except AuthenticationError as exc:
+            self.say(f"ignored a task record: {exc}")
+            self.next_task += 1
+        except Exception as exc:
+            self.uplink.lost = _first_line(exc)
+
+    def _wait_for_old_store(self) -> None:
+        """Until the notebook closed this start's rendezvous: joining again before would find
+        the old one (bounded by ``OLD_STORE_WAIT_S``)."""
+        deadline = time.monotonic() + OLD_STORE_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                self.store.check([self.keys.control])
+            except Exception:
+                return
+            time.sleep(0.1)
 
     def _note(self, events: list[dict[str, Any]]) -> None:
         for event in events:
@@ -455,7 +544,8 @@ class NodeRun:
             self.uplink.lost = _first_line(exc)
             return None
         try:
-            return self.secret.verify(value, self.keys.control).decode()
+            self._control_value = self.secret.verify(value, self.keys.control).decode()
+            return self._control_value
         except AuthenticationError:
             if not self._forged_control:  # ignored, and said once
                 self._forged_control = True

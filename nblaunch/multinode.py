@@ -64,7 +64,6 @@ from nblaunch.run import Run
 from nblaunch.supervisor import Supervisor, warm_up
 from nblaunch.trust import SECRET_ENV, RunSecret, SigningStore, remove_secret_file
 from nblaunch.verdict import Cause, RootCause
-from nblaunch.worker import TASK
 
 DEFAULT_PORT = 29400
 # torch's own default for the join timeout of the c10d rendezvous.
@@ -88,6 +87,8 @@ CONFIG_VERSION = 1
 CONTROL_INTERRUPT = "interrupt"
 CONTROL_OK = "ok"
 CONTROL_STOP = "stop"
+# A pool's nodes: stop the ranks and join the pool's next start (a restart, a broken pool).
+CONTROL_REJOIN = "rejoin"
 
 
 class Keys:
@@ -102,6 +103,15 @@ class Keys:
         self.complete = base + "complete"  # set once every node joined: latecomers are refused
         self.up = base + "up"  # queue: batches of events from the other nodes
         self.control = base + "control"  # what the notebook tells the other nodes to do
+        self._base = base
+
+    def task(self, number: int) -> str:
+        """A pool's ``number``-th task since it started: its ranks and payload (sealed)."""
+        return f"{self._base}task/{number}"
+
+    def interrupt(self, number: int) -> str:
+        """The ranks of a pool's ``number``-th task that the notebook interrupts (sealed)."""
+        return f"{self._base}interrupt/{number}"
 
 
 # --- endpoints and stores ------------------------------------------------------------------------
@@ -282,6 +292,7 @@ class MultiNodePlan(LaunchPlan):
     nproc_per_node: int = 1
     node_rank: int = 0
     rdzv_run_id: str = "nblaunch"
+    pool: bool = False  # ranks stay up between tasks, which come through the store
 
     @property
     def local_ranks(self) -> list[int]:
@@ -331,6 +342,7 @@ class MultiNodePlan(LaunchPlan):
             "hang_timeout": self.hang_timeout,
             "log_level": self.log_level,
             "master_port": self.master_port,
+            "pool": self.pool,
         }
 
 
@@ -374,6 +386,7 @@ def plan_for_joined_node(
         nproc_per_node=config["nproc_per_node"],
         node_rank=node_rank,
         rdzv_run_id=run_id,
+        pool=bool(config.get("pool")),
     )
 
 
@@ -442,6 +455,61 @@ def launch_multinode(
         The launch was interrupted; every rank on every node has been stopped.
     """
 
+    plan, rdzv_timeout = plan_nodes(
+        function,
+        num_processes,
+        num_nodes=num_nodes,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_timeout=rdzv_timeout,
+        rdzv_id=rdzv_id,
+        start_method=start_method,
+        debug=debug,
+        log_level=log_level,
+        hang_timeout=hang_timeout,
+        timeout=timeout,
+        setup_process_group=setup_process_group,
+        device_type=device_type,
+        run_dir=run_dir,
+    )
+    payload = serialize_payload(function, args, kwargs)
+    if view is None:
+        from nblaunch.widgets import make_view
+
+        view = make_view(display)
+    with signal_handlers_kept():
+        run: MultiNodeRun | None = None
+        try:
+            head = Head(plan, view)
+            try:
+                head.rendezvous(payload, rdzv_timeout)
+                run = MultiNodeRun(plan, view, head)
+                return run.execute(payload)
+            finally:
+                head.close()
+        finally:
+            if run is None:  # the run closes the view; before it exists, close it here
+                view.close()
+
+
+def plan_nodes(
+    function: Any,
+    num_processes: int | None,
+    *,
+    num_nodes: int,
+    rdzv_endpoint: str | None,
+    rdzv_timeout: float | None,
+    rdzv_id: str | None,
+    pool: bool = False,
+    **options: Any,
+) -> tuple[MultiNodePlan, float]:
+    """Check the multi-node arguments and plan node 0 (this one); ``options`` are
+    :func:`~nblaunch.plan.plan_launch`'s. Returns the plan and the rendezvous timeout.
+
+    Raises
+    ------
+    LaunchError
+        Bad arguments, or an address this machine cannot listen on.
+    """
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise LaunchError(f"num_nodes must be a whole number of machines >= 1, got {num_nodes!r}")
     if rdzv_endpoint is None:
@@ -463,20 +531,7 @@ def launch_multinode(
         )
     host, port = parse_endpoint(rdzv_endpoint)
     listen_on(host, port).close()  # say now, in its own words, when we cannot listen there
-    base = plan_launch(
-        function,
-        num_processes,
-        start_method=start_method,
-        debug=debug,
-        log_level=log_level,
-        hang_timeout=hang_timeout,
-        timeout=timeout,
-        master_addr=host,
-        master_port=None,
-        setup_process_group=setup_process_group,
-        device_type=device_type,
-        run_dir=run_dir,
-    )
+    base = plan_launch(function, num_processes, master_addr=host, master_port=None, **options)
     if base.device_type == "xla":
         raise LaunchError("multi-node runs support CUDA and CPU ranks, not XLA devices")
     values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
@@ -487,34 +542,18 @@ def launch_multinode(
         nproc_per_node=base.world_size,
         node_rank=0,
         rdzv_run_id=rdzv_id or base.run_id,
+        pool=pool,
     )
-    payload = serialize_payload(function, args, kwargs)
-    if view is None:
-        from nblaunch.widgets import make_view
-
-        view = make_view(display)
-    with signal_handlers_kept():
-        run: MultiNodeRun | None = None
-        try:
-            head = Head(plan, host, port, view)
-            try:
-                head.rendezvous(payload, rdzv_timeout)
-                run = MultiNodeRun(plan, view, head)
-                return run.execute(payload)
-            finally:
-                head.close()
-        finally:
-            if run is None:  # the run closes the view; before it exists, close it here
-                view.close()
+    return plan, float(rdzv_timeout)
 
 
 class Head:
     """The notebook node's side: hosts the store and the rendezvous, talks to the other nodes."""
 
-    def __init__(self, plan: MultiNodePlan, host: str, port: int, view: EventSink) -> None:
+    def __init__(self, plan: MultiNodePlan, view: EventSink, secret: RunSecret | None = None):
         self.plan = plan
-        self.host = host
-        self.port = port
+        self.host = host = plan.master_addr
+        self.port = port = plan.master_port
         self.view = view
         self.keys = Keys(plan.run_id)
         self.server = host_store(host, port)
@@ -527,10 +566,12 @@ class Head:
         self.errors: list[tuple[int, str]] = []  # (node, message) of nodes that broke down
         self._control: str | None = None
         # Only holders of the run's secret may write what this kernel reads (nblaunch.trust).
-        self.secret = RunSecret.new()
+        # A pool keeps its secret across restarts: the nodes' join commands stay valid.
+        self.secret = secret or RunSecret.new()
         self.secret.write_file(plan.run_id)  # for nodes sharing this home directory
         self.received: dict[int, int] = {}  # node -> events received from it so far
         self.dropped = 0  # records that failed authentication
+        self.tasks_published = 0  # a pool's tasks sent to the other nodes
 
     @property
     def endpoint(self) -> str:
@@ -546,8 +587,10 @@ class Head:
 
     # --- before the ranks start --------------------------------------------------------------
 
-    def rendezvous(self, payload: bytes, timeout: float) -> None:
+    def rendezvous(self, payload: bytes | None, timeout: float) -> None:
         """Publish the run, wait for every node, and show each one as it arrives.
+
+        ``payload`` is the one-shot run's task; a pool's tasks come later (:meth:`publish_task`).
 
         Raises
         ------
@@ -560,7 +603,8 @@ class Head:
         keys = self.keys
         config = {**plan.node_config(), "rdzv_timeout": timeout}
         self.store.set(keys.config, self.secret.seal(config, keys.config))
-        self.store.set(keys.payload, self.secret.seal(payload, keys.payload))
+        if payload is not None:
+            self.store.set(keys.payload, self.secret.seal(payload, keys.payload))
         self._show(plan.run_info(time.time()))
         others = plan.num_nodes - 1
         if others:
@@ -699,10 +743,32 @@ class Head:
             batches.append((node, events))
         return batches
 
+    def publish_task(self, task_id: int, ranks: list[int], payload: bytes) -> None:
+        """A pool's next task, for the other nodes to give to their ranks among ``ranks``.
+
+        Tasks are numbered from 0 at each start of the pool (the nodes count the same way);
+        the previous one has ended on every rank, so its keys go.
+        """
+        number = self.tasks_published
+        if number:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(self.keys.task(number - 1))
+                self.store.delete_key(self.keys.interrupt(number - 1))
+        key = self.keys.task(number)
+        record = {"task_id": task_id, "ranks": ranks, "payload": payload}
+        self.store.set(key, self.secret.seal(record, key))
+        self.tasks_published += 1
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """Interrupt ``ranks`` (a KeyboardInterrupt in the pool's current task) on their nodes."""
+        key = self.keys.interrupt(self.tasks_published - 1)
+        with contextlib.suppress(Exception):
+            self.store.set(key, self.secret.seal(ranks, key))
+
     def control(self, value: str) -> None:
         """Tell every other node what to do with its ranks (``ok``, ``stop``, ``interrupt``)."""
-        if value == self._control or self._control in (CONTROL_OK, CONTROL_STOP):
-            return  # ok/stop are final; only an interrupt may be followed by a stop
+        if value == self._control or self._control in (CONTROL_OK, CONTROL_STOP, CONTROL_REJOIN):
+            return  # final; only an interrupt may be followed by another value
         self._control = value
         with contextlib.suppress(Exception):
             self.store.set(self.keys.control, self.secret.sign(value, self.keys.control))
@@ -955,11 +1021,32 @@ class MultiNodeRun(Run):
         for rank in self.supervisor.ranks:
             self.supervisor.send(rank, plan.setup_message(rank.rank))
 
+    def begin_task(self, view: EventSink, ranks: list[int], **options: Any) -> None:
+        super().begin_task(view, ranks, **options)
+        self.monitors.append(_NodeMonitor(self.head))
+
     def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
-        """Send the task to this node's ranks; the other nodes took theirs from the store."""
-        self.task_ranks = list(range(self.plan.world_size))
-        for rank in self.supervisor.ranks:
-            self.supervisor.send(rank, {"kind": TASK, "payload": payload, "task_id": task_id})
+        """Send the task to this node's ranks among ``ranks``; a pool's other nodes read it
+        from the store (a one-shot run's took theirs at the rendezvous)."""
+        super().send_task(payload, task_id, ranks)
+        if self.plan.pool:  # type: ignore[attr-defined]
+            self.head.publish_task(task_id, self.task_ranks, payload)
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """Interrupt ``ranks`` of the task: this node's by signal, the others' through the store."""
+        local = {rank.rank for rank in self.supervisor.ranks}
+        super().interrupt([r for r in ranks if r in local])
+        remote = [r for r in ranks if r not in local]
+        if remote:
+            self.head.interrupt(remote)
+
+    def release_nodes(self, rejoin: bool) -> None:
+        """Tell the other nodes to stop their ranks, and either exit or join this pool's next
+        start (``rejoin``); wait (bounded) for them to say so, then close the rendezvous."""
+        self.head.control(CONTROL_REJOIN if rejoin else CONTROL_OK)
+        if self.relay is not None:
+            self.relay.drain_output(timeout=0.5)
+        self.head.close()
 
     def on_event(self, event: dict[str, Any]) -> None:
         if event["kind"] == "death":

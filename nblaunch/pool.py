@@ -53,6 +53,8 @@ START_TIMEOUT_S = 120.0
 
 _current: Pool | None = None
 _atexit_registered = False
+# The options of a pool on several machines (start_pool's names).
+NODE_OPTIONS = ("rdzv_endpoint", "rdzv_timeout", "rdzv_id")
 # Inside a rank: the namespace %%distributed cells run in; it persists between tasks.
 _namespace: dict[str, Any] = {}
 
@@ -116,11 +118,19 @@ def start_pool(
     device_type: str | None = None,
     run_dir: str | os.PathLike[str] | None = None,
     display: str = "auto",
+    num_nodes: int | None = None,
+    rdzv_endpoint: str | None = None,
+    rdzv_timeout: float | None = None,
+    rdzv_id: str | None = None,
 ) -> Pool:
     """Start ``num_processes`` ranks that stay alive until :meth:`Pool.close`.
 
     The arguments mean what they mean for :func:`~nblaunch.notebook_launcher`; ``display`` is
     the view every task shows. Use the pool as a context manager to close it on exit.
+
+    With ``num_nodes``, the pool spans that many machines: ``num_processes`` ranks on each,
+    this one first; each other node runs ``python -m nblaunch join`` once (the command is
+    printed), and stays in the pool across its restarts until the pool is closed.
 
     Returns
     -------
@@ -145,6 +155,10 @@ def start_pool(
         device_type=device_type,
         run_dir=run_dir,
         display=display,
+        num_nodes=num_nodes,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_timeout=rdzv_timeout,
+        rdzv_id=rdzv_id,
     )
     return pool.start()
 
@@ -174,6 +188,10 @@ class Pool:
         run_dir: str | os.PathLike[str] | None = None,
         display: str = "auto",
         start_timeout: float = START_TIMEOUT_S,
+        num_nodes: int | None = None,
+        rdzv_endpoint: str | None = None,
+        rdzv_timeout: float | None = None,
+        rdzv_id: str | None = None,
     ) -> None:
         self.num_processes = num_processes
         self.options: dict[str, Any] = {
@@ -186,6 +204,16 @@ class Pool:
             "device_type": device_type,
             "run_dir": run_dir,
         }
+        # A pool on several machines (None: this one only).
+        self.nodes: dict[str, Any] | None = None
+        if num_nodes is not None:
+            self.nodes = {
+                "num_nodes": num_nodes,
+                "rdzv_endpoint": rdzv_endpoint,
+                "rdzv_timeout": rdzv_timeout,
+                "rdzv_id": rdzv_id,
+            }
+        self._secret: Any = None  # a multi-node pool's, kept so the nodes' joins stay valid
         self.display = display
         self.start_timeout = start_timeout
         self.state = PoolState.CLOSED
@@ -224,7 +252,10 @@ class Pool:
             raise LaunchError(f"this pool is already {self.state.value}; close() it first")
         if self.display not in DISPLAY_MODES:
             raise LaunchError(f"display={self.display!r} is not one of {', '.join(DISPLAY_MODES)}")
-        plan = plan_launch(_pool_task, self.num_processes, **self.options)
+        if self.nodes is None:
+            plan = plan_launch(_pool_task, self.num_processes, **self.options)
+        else:
+            plan = self._plan_nodes()
         self.state = PoolState.STARTING
         self.problem = ""
         _current = self
@@ -232,9 +263,9 @@ class Pool:
             atexit.register(_close_current)
             _atexit_registered = True
         began = time.monotonic()
-        run = Run(plan, NullView())
-        self._run = run
+        self._run = None
         try:
+            run = self._run = self._new_run(plan)
             run.start()
             run.await_started(self.start_timeout)
         except BaseException:
@@ -249,24 +280,38 @@ class Pool:
         return self
 
     def close(self) -> None:
-        """Stop every rank (asking nicely first) and release the pool; safe to call twice."""
+        """Stop every rank (asking nicely first) and release the pool; safe to call twice.
+
+        The other nodes of a multi-node pool stop their ranks and their ``join`` ends.
+        """
+        self._close(rejoin=False)
+
+    def restart(self, num_nodes: int | None = None) -> Pool:
+        """Stop the ranks and start fresh ones with the same options (their state is gone).
+
+        The other nodes of a multi-node pool join the new start by themselves; ``num_nodes``
+        changes how many take part (after a node was lost, the nodes that remain).
+        """
+        self._close(rejoin=True)
+        if num_nodes is not None:
+            if self.nodes is None:
+                raise LaunchError("num_nodes: this pool runs on this machine only")
+            self.nodes["num_nodes"] = num_nodes
+        self.restarts += 1
+        return self.start()
+
+    def _close(self, rejoin: bool) -> None:
         global _current
         if self.state is PoolState.CLOSED:
             return
         run = self._run
         if run is not None and self.state is PoolState.IDLE:
             run.hang_up(limit_s=3.0)
-        self._shut_down(grace=1.0)
+        self._shut_down(grace=1.0, rejoin=rejoin)
         reap_let_go(wait=True)  # closed means gone: their memory is free again
         self.state = PoolState.CLOSED
         if _current is self:
             _current = None
-
-    def restart(self) -> Pool:
-        """Stop the ranks and start fresh ones with the same options (their state is gone)."""
-        self.close()
-        self.restarts += 1
-        return self.start()
 
     def __enter__(self) -> Pool:
         if self.state is PoolState.CLOSED:
@@ -497,8 +542,9 @@ class Pool:
             return f"a pool ({self.state.value})"
         plan = self._run.plan
         pids = ", ".join(str(p) for p in self.pids)
+        nodes = f" on {plan.num_nodes} nodes" if self.nodes is not None else ""
         text = (
-            f"a pool of {plan.world_size} {plan.device_kind} rank(s) "
+            f"a pool of {plan.world_size} {plan.device_kind} rank(s){nodes} "
             f"({plan.start_method}{', debug' if plan.debug else ''}; pids {pids}), "
             f"{self.state.value}"
         )
@@ -527,17 +573,25 @@ class Pool:
                 )
                 rank_info = dict(enumerate(values))
                 self.tasks_run -= 1  # asking for the status is not the person's work
-        for rank, pid in enumerate(self._pids):
-            row: dict[str, Any] = {"rank": rank, "pid": pid, "alive": False}
-            with contextlib.suppress(psutil.Error, ValueError, TypeError):
-                process = psutil.Process(pid)
-                row["alive"] = process.status() != psutil.STATUS_ZOMBIE
-                row["rss_mb"] = process.memory_info().rss / 2**20
+        local = {process.rank: process.pid for process in self._run.supervisor.ranks}
+        for rank in range(self.world_size):
+            info = rank_info.get(rank, {})
+            row: dict[str, Any] = {"rank": rank, "pid": local.get(rank), "alive": False}
+            if rank in local:
+                with contextlib.suppress(psutil.Error, ValueError, TypeError):
+                    process = psutil.Process(row["pid"])
+                    row["alive"] = process.status() != psutil.STATUS_ZOMBIE
+                    row["rss_mb"] = process.memory_info().rss / 2**20
+            else:  # another node's: alive if it answered just now
+                row["alive"] = "pid" in info
+            if self.nodes is not None:
+                row["node"] = node = rank // self._run.plan.nproc_per_node
+                row["host"] = self._run.head.hosts.get(node, "?")
             if not row["alive"]:
                 row["state"] = "dead"
             else:
                 row["state"] = "idle" if self.state is PoolState.IDLE else self.state.value
-            row.update(rank_info.get(rank, {}))
+            row.update(info)
             rows.append(row)
         return rows
 
@@ -559,14 +613,44 @@ class Pool:
             if names is not None:
                 shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
                 defined = f"; {len(names)} name(s) defined" + (f": {shown}" if names else "")
+            where = f" on node {row['node']} ({row['host']})" if "node" in row else ""
             lines.append(
-                f"  rank {row['rank']}: pid {row['pid']}, {row['state']}, {memory}{defined}"
+                f"  rank {row['rank']}{where}: pid {row['pid']}, {row['state']}, {memory}{defined}"
             )
         if self.state is PoolState.BROKEN:
             lines.append("  run %dist restart for fresh ranks, or %dist stop")
         return "\n".join(lines)
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _plan_nodes(self) -> Any:
+        """The plan of this node of a multi-node pool (node 0)."""
+        from nblaunch import multinode  # not at import: ~10 ms
+
+        assert self.nodes is not None
+        options = {k: v for k, v in self.options.items() if k not in ("master_addr", "master_port")}
+        plan, self._rdzv_timeout = multinode.plan_nodes(
+            _pool_task, self.num_processes, pool=True, **self.nodes, **options
+        )
+        # Restarts keep the run id (and the secret): the nodes' join commands stay valid.
+        self.nodes["rdzv_id"] = plan.rdzv_run_id
+        return plan
+
+    def _new_run(self, plan: Any) -> Run:
+        """The engine: this machine's ranks, or with the other nodes once they all joined."""
+        if self.nodes is None:
+            return Run(plan, NullView())
+        from nblaunch import multinode
+
+        head = multinode.Head(plan, NullView(), secret=self._secret)
+        self._secret = head.secret
+        try:
+            with multinode.signal_handlers_kept():
+                head.rendezvous(None, self._rdzv_timeout)
+        except BaseException:
+            head.close()
+            raise
+        return multinode.MultiNodeRun(plan, NullView(), head)
 
     def _check_usable(self) -> None:
         """Raise ``LaunchError`` unless the pool can take a task now."""
@@ -606,9 +690,8 @@ class Pool:
         signalled = set(run.task_ranks) if interrupted else set()
         if _pending(run) and not _deaths(run):
             if stop_others:
-                for rank in _pending(run):
-                    signalled.add(rank)
-                    _signal(run.supervisor.ranks[rank].pid, signal.SIGINT)
+                signalled.update(_pending(run))
+                run.interrupt(_pending(run))
             limit = INTERRUPT_WAIT_S if stop_others else FINISH_WAIT_S
             deadline = time.monotonic() + limit
             # A second press of the interrupt button stops the waiting.
@@ -633,11 +716,19 @@ class Pool:
         note = ""
         if deaths:
             rank = deaths[0].rank
-            self._break(f"rank {rank} {deaths[0].message}")
-            note = (
-                f"The pool lost rank {rank}: run %dist restart (or pool.restart()) for fresh "
-                "ranks, whose names from earlier cells are gone."
-            )
+            if deaths[0].cause is Cause.NODE:
+                self._break(deaths[0].message)
+                node = rank // run.plan.nproc_per_node
+                lost = f"node {node} ({run.head.hosts.get(node, '?')})"
+                again = (
+                    "restart it (%dist restart, pool.restart()) once its node's join runs again, "
+                    "or with the nodes that remain (%dist restart --nodes N)"
+                )
+            else:
+                self._break(f"rank {rank} {deaths[0].message}")
+                lost = f"rank {rank}"
+                again = "run %dist restart (or pool.restart()) for fresh ranks"
+            note = f"The pool lost {lost}: {again}; names from earlier cells are gone."
         elif pending:
             for rank in pending:
                 run.set_state(rank, RunState.STOPPED, "did not stop; the pool was restarted")
@@ -719,13 +810,15 @@ class Pool:
             self.problem = f"restarting the ranks failed: {type(exc).__name__}: {exc}"
             _current = self
 
-    def _shut_down(self, grace: float, close_pipes: bool = True) -> None:
+    def _shut_down(self, grace: float, close_pipes: bool = True, rejoin: bool = True) -> None:
         run = self._run
         if run is None:
             return
         with contextlib.suppress(Exception):
             run.supervisor.stop(grace=grace)
-        if close_pipes:
+        if close_pipes:  # a broken pool keeps its other nodes until it is restarted or closed
+            with contextlib.suppress(Exception):
+                run.release_nodes(rejoin)
             with contextlib.suppress(Exception):
                 if run.relay is not None:
                     run.relay.close()
@@ -784,7 +877,10 @@ def _pending(run: Any) -> list[int]:
 
 
 def _deaths(run: Any) -> list[RootCause]:
-    return run.outcome.deaths()
+    """Ranks the pool lost: dead processes, and the ranks of a lost node."""
+    root = run.outcome.root
+    lost_node = [root] if root is not None and root.cause is Cause.NODE else []
+    return [*lost_node, *run.outcome.deaths()]
 
 
 def parse_ranks(spec: Any, world_size: int) -> list[int]:
@@ -825,12 +921,18 @@ def parse_ranks(spec: Any, world_size: int) -> list[int]:
 
 
 def _rank_info() -> dict[str, Any]:
-    """Runs on each rank for ``%dist status``: device memory and the names cells defined."""
+    """Runs on each rank for ``%dist status``: memory and the names cells defined."""
+    import psutil
     import torch
 
     context = worker.current()
     device = context.device if context else torch.device("cpu")
-    info: dict[str, Any] = {"device": str(device), "device_mb": None}
+    info: dict[str, Any] = {
+        "device": str(device),
+        "device_mb": None,
+        "pid": os.getpid(),
+        "rss_mb": psutil.Process().memory_info().rss / 2**20,
+    }
     if device.type == "cuda":
         info["device_mb"] = torch.cuda.memory_allocated(device) / 2**20
     info["names"] = sorted(
@@ -883,12 +985,6 @@ def _seconds(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _signal(pid: int | None, signum: int) -> None:
-    if pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-
 def _close_current() -> None:
     pool = current_pool()
     if pool is not None:
@@ -913,6 +1009,17 @@ def _start_parser(prog: str) -> Any:
     parser.add_argument("--log-level", default=None, metavar="LEVEL")
     parser.add_argument("--hang-timeout", type=float, default=None, metavar="S")
     parser.add_argument("--device-type", choices=DEVICE_TYPES, default=None)
+    parser.add_argument(
+        "--nodes",
+        dest="num_nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="machines in the pool, this one included (each other one runs the printed join)",
+    )
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT")
+    parser.add_argument("--rdzv-timeout", type=float, default=None, metavar="S")
+    parser.add_argument("--run-id", dest="rdzv_id", default=None, metavar="ID")
     parser.add_argument("-h", "--help", action="store_true")
     return parser
 
@@ -941,8 +1048,9 @@ def dist_start(line: str) -> None:
         pool = start_pool(options.pop("num_processes", None), display="auto", **options)
     except LaunchError as exc:
         raise _usage_error(exc) from None
+    nodes = f" on {pool.nodes['num_nodes']} nodes" if pool.nodes else ""
     print(
-        f"nblaunch pool: {pool.world_size} rank(s) ready in {pool.start_s:.1f} s "
+        f"nblaunch pool: {pool.world_size} rank(s){nodes} ready in {pool.start_s:.1f} s "
         f"(pids {', '.join(map(str, pool.pids))}). %%distributed cells now run on it and keep "
         "their state; %dist status, %dist restart, %dist stop."
     )
@@ -964,16 +1072,25 @@ def dist_restart(line: str) -> None:
     options = _options_from(line, "%dist restart")
     if options is None:
         return
+    from IPython.core.error import UsageError
+
     pool = current_pool()
     if pool is None:
-        from IPython.core.error import UsageError
-
         raise UsageError("%dist restart: no pool is running; start one with %dist start -n N")
     if "num_processes" in options:
         pool.num_processes = options.pop("num_processes")
+    num_nodes = options.pop("num_nodes", None)
+    node_options = {k: options.pop(k) for k in NODE_OPTIONS if k in options}
+    if node_options and pool.nodes is None:
+        raise UsageError(
+            "%dist restart: --rdzv-endpoint, --rdzv-timeout and --run-id are for "
+            "a pool started with --nodes"
+        )
     pool.options.update(options)
     try:
-        pool.restart()
+        if pool.nodes is not None:
+            pool.nodes.update(node_options)
+        pool.restart(num_nodes=num_nodes)
     except LaunchError as exc:
         raise _usage_error(exc) from None
     print(

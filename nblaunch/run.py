@@ -10,6 +10,7 @@ pool and the multi-node head all drive it.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ from nblaunch.events import Event, EventSink, NullView, RunState, Task, diagnosi
 from nblaunch.features import Monitor, parent_monitors
 from nblaunch.plan import LaunchPlan, choose_port
 from nblaunch.relay import Relay
-from nblaunch.supervisor import Supervisor
+from nblaunch.supervisor import Supervisor, signal_pid
 from nblaunch.verdict import Cause, Outcome, RootCause
 from nblaunch.worker import STOP
 
@@ -170,8 +171,18 @@ class Run:
             # Only a task on every rank may make the default group again (a collective).
             "all_ranks": len(self.task_ranks) == self.plan.world_size,
         }
-        for rank in self.task_ranks:
-            self.supervisor.send(self.supervisor.ranks[rank], message)
+        for rank in self.supervisor.ranks:  # this machine's (a multi-node run has others)
+            if rank.rank in self.task_ranks:
+                self.supervisor.send(rank, message)
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """A KeyboardInterrupt in the task of each of ``ranks`` (SIGINT)."""
+        for rank in self.supervisor.ranks:
+            if rank.rank in ranks and not rank.ended:
+                signal_pid(rank.pid, signal.SIGINT)
+
+    def release_nodes(self, rejoin: bool) -> None:
+        """Let go of other nodes (a multi-node pool's); a single-node run has none."""
 
     def publish(self, event: Event) -> None:
         if self.relay is not None:

@@ -246,7 +246,7 @@ class Supervisor:
     def interrupt(self) -> None:
         """Send SIGINT to every live rank (a KeyboardInterrupt inside the task)."""
         for rank in self.alive():
-            _signal_pid(rank.pid, signal.SIGINT)
+            signal_pid(rank.pid, signal.SIGINT)
 
     def stop(
         self, grace: float = 2.0, *, first_signal: int = signal.SIGTERM, quiet: bool = False
@@ -263,7 +263,7 @@ class Supervisor:
         # Taken before the signal: a rank that dies at once can no longer end its children.
         trees = [process for rank in live for process in containment.descendants(rank.pid)]
         for rank in live:
-            _signal_pid(rank.pid, first_signal)
+            signal_pid(rank.pid, first_signal)
         deadline = time.monotonic() + grace
         for rank in live:
             rank.process.join(max(0.0, deadline - time.monotonic()))
@@ -276,7 +276,7 @@ class Supervisor:
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            _signal_pid(rank.pid, signal.SIGKILL)
+            signal_pid(rank.pid, signal.SIGKILL)
             killed.append(rank.rank)
         for rank in stubborn:
             rank.process.join(5.0)
@@ -320,7 +320,7 @@ def reap_let_go(wait: bool = False) -> int:
         if process.is_alive():
             if time.monotonic() < deadline:
                 continue
-            _signal_pid(process.pid, signal.SIGKILL)
+            signal_pid(process.pid, signal.SIGKILL)
         process.join()
         semaphores.release(semaphore_dir, process.pid)
         with contextlib.suppress(ValueError):
@@ -399,7 +399,7 @@ def _enlarge_pipe(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
 
 
-def _signal_pid(pid: int | None, signum: int) -> None:
+def signal_pid(pid: int | None, signum: int) -> None:
     if pid is None:
         return
     with contextlib.suppress(ProcessLookupError):
