@@ -36,6 +36,7 @@ from nblaunch.multinode import (
     node_rank_of,
     parse_endpoint,
     plan_for_joined_node,
+    rank_span,
     rendezvous_handler,
     unshared_rendezvous_store,
 )
@@ -272,8 +273,7 @@ def _join_once(
         return EXIT_FAILED
     _terminate_as_interrupt()
     ranks = plan.local_ranks
-    span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
-    say(f"node {node_rank} of {plan.num_nodes}: {span}")
+    say(f"node {node_rank} of {plan.num_nodes}: {rank_span(ranks[0], ranks[-1])}")
     return NodeRun(plan, payload, store, keys, name, say, secret, handler).run()
 
 

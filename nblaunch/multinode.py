@@ -277,6 +277,11 @@ def signal_handlers_kept(
                 signal.signal(signum, handler)
 
 
+def rank_span(first: int, last: int) -> str:
+    """``rank 3`` or ``ranks 2-5``."""
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
 # --- the plan ------------------------------------------------------------------------------------
 
 
@@ -921,8 +926,7 @@ class NodesRelay(Relay):
         what = news["what"]
         if what == "started":
             head.hosts[node] = news["host"]
-            first, last = news["ranks"][0], news["ranks"][-1]
-            span = f"rank {first}" if first == last else f"ranks {first}-{last}"
+            span = rank_span(news["ranks"][0], news["ranks"][-1])
             head.info(f"node {node} started", f"{news['host']} runs {span}")
         elif what == "done":
             head.done.add(node)
@@ -983,7 +987,8 @@ class _NodeMonitor:
         first = node * plan.nproc_per_node
         host = head.hosts.get(node, f"node {node}")
         text = (
-            f"node {node} ({host}), ranks {first}-{first + plan.nproc_per_node - 1}, {message}; "
+            f"node {node} ({host}), {rank_span(first, first + plan.nproc_per_node - 1)}, "
+            f"{message}; "
             "the run was stopped on every node"
         )
         for rank in range(first, first + plan.nproc_per_node):

@@ -542,10 +542,12 @@ class Pool:
             return f"a pool ({self.state.value})"
         plan = self._run.plan
         pids = ", ".join(str(p) for p in self.pids)
-        nodes = f" on {plan.num_nodes} nodes" if self.nodes is not None else ""
+        nodes = pids_here = ""
+        if self.nodes is not None:
+            nodes, pids_here = f" on {plan.num_nodes} nodes", " here"
         text = (
             f"a pool of {plan.world_size} {plan.device_kind} rank(s){nodes} "
-            f"({plan.start_method}{', debug' if plan.debug else ''}; pids {pids}), "
+            f"({plan.start_method}{', debug' if plan.debug else ''}; pids{pids_here} {pids}), "
             f"{self.state.value}"
         )
         if self.state is PoolState.BUSY:
