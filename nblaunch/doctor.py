@@ -504,7 +504,8 @@ _SSH_PROBLEMS = (
 )
 
 
-def _check_host(host: str, timeout: float, ssh: str) -> HostCheck:
+def check_host(host: str, timeout: float, ssh: str) -> HostCheck:
+    """Ask ``host`` for its name over ``ssh`` without prompting; say what failed and the fix."""
     import time
 
     command = [
@@ -579,5 +580,5 @@ def check_hosts(hostfile: str | os.PathLike[str], *, timeout: float = SSH_TIMEOU
             path, [], mpirun, "ssh is not on PATH; install an OpenSSH client (openssh-client)"
         )
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        checks = list(pool.map(lambda host: _check_host(host, timeout, ssh), hosts))
+        checks = list(pool.map(lambda host: check_host(host, timeout, ssh), hosts))
     return HostsReport(path, checks, mpirun)

@@ -93,8 +93,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--secret-file",
         default=None,
-        help="a file holding the run's secret (default: NBLAUNCH_RUN_SECRET, as the printed "
-        "command sets it, or the notebook's own ~/.nblaunch/secrets/RUN on a shared home)",
+        help="a file holding the run's secret, '-' to read it from the first line of stdin "
+        "(default: NBLAUNCH_RUN_SECRET, as the printed command sets it, or the notebook's own "
+        "~/.nblaunch/secrets/RUN on a shared home)",
     )
     parser.add_argument(
         "--connect-timeout",
@@ -147,9 +148,12 @@ def join(
         was interrupted or stopped, or the notebook went away; 2 when this node could not take
         part at all.
     """
+    piped = None
+    if secret_file == "-":  # read once: a pool's node joins again with it
+        piped = sys.stdin.readline().strip()
     while True:
         code = _join_once(
-            endpoint, run_id, start_method, local_addr, connect_timeout, secret_file, out
+            endpoint, run_id, start_method, local_addr, connect_timeout, secret_file, piped, out
         )
         if code != REJOIN:
             return code
@@ -162,6 +166,7 @@ def _join_once(
     local_addr: str | None,
     connect_timeout: float,
     secret_file: str | None,
+    piped_secret: str | None,
     out: TextIO | None,
 ) -> int:
     from torch.distributed.elastic.rendezvous.api import (
@@ -202,7 +207,10 @@ def _join_once(
         say(f"run {run_id} at {endpoint} is not taking nodes any more (complete or stopped)")
         return EXIT_USAGE
     try:
-        secret = secret_for_join(run_id, secret_file)
+        if piped_secret is not None:
+            secret = RunSecret(piped_secret)
+        else:
+            secret = secret_for_join(run_id, secret_file)
     except (AuthenticationError, OSError) as exc:
         say(str(exc))
         return EXIT_USAGE

@@ -54,6 +54,8 @@ def notebook_launcher(
     rdzv_endpoint: str | None = None,
     rdzv_timeout: float | None = None,
     rdzv_id: str | None = None,
+    start_nodes: str | None = None,
+    hostfile: str | os.PathLike[str] | None = None,
 ) -> list[Any]:
     """Run ``function(*args, **kwargs)`` on ``num_processes`` ranks and return what each returned.
 
@@ -98,6 +100,10 @@ def notebook_launcher(
         the ``python -m nblaunch join`` command for the other nodes, which must join within
         ``rdzv_timeout`` seconds (default 600). ``rdzv_id`` pins the run id, so the join
         commands can be started before the cell. See :mod:`nblaunch.multinode`.
+    start_nodes, hostfile
+        Start the other nodes' join from here: ``"ssh"`` on the hosts of ``hostfile`` (after
+        checking passwordless ssh), or ``"srun"`` inside a Slurm allocation. See
+        :mod:`nblaunch.node_start`.
 
     Returns
     -------
@@ -123,7 +129,7 @@ def notebook_launcher(
     __tracebackhide__ = True  # the rank's traceback matters, not the launcher's frames
 
     refuse_if_running("notebook_launcher")  # a persistent pool holds the devices
-    if num_nodes != 1 or rdzv_endpoint is not None or rdzv_id is not None:
+    if num_nodes != 1 or rdzv_endpoint is not None or rdzv_id is not None or start_nodes:
         if debug_on_error:
             raise LaunchError(
                 "debug_on_error=True works on one machine only: its prompts cannot reach "
@@ -149,6 +155,8 @@ def notebook_launcher(
             run_dir=run_dir,
             display=display,
             rdzv_id=rdzv_id,
+            start_nodes=start_nodes,
+            hostfile=hostfile,
         )
     plan = plan_launch(
         function,

@@ -27,7 +27,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nblaunch.errors import LaunchError
-from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LOG_LEVELS, START_METHODS
+from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LOG_LEVELS, START_METHODS, START_NODES
 from nblaunch.worker import import_features
 
 if TYPE_CHECKING:
@@ -218,6 +218,19 @@ class DistributedMagics(Magics):
         help="with --nodes: how long to wait for every node to join (default 600)",
     )
     @magic_arguments.argument(
+        "--start-nodes",
+        choices=START_NODES,
+        default=None,
+        help="with --nodes: start join on the other nodes from here, over ssh (with "
+        "--hostfile) or srun (inside a Slurm allocation)",
+    )
+    @magic_arguments.argument(
+        "--hostfile",
+        default=None,
+        metavar="PATH",
+        help="with --start-nodes ssh: the other machines, one per line",
+    )
+    @magic_arguments.argument(
         "--ranks",
         default=None,
         metavar="SPEC",
@@ -286,6 +299,8 @@ class DistributedMagics(Magics):
                     rdzv_endpoint=args.rdzv_endpoint,
                     rdzv_timeout=args.rdzv_timeout,
                     rdzv_id=args.run_id,
+                    start_nodes=args.start_nodes,
+                    hostfile=args.hostfile,
                 )
         except KeyboardInterrupt:
             raise

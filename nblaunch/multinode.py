@@ -57,6 +57,7 @@ from nblaunch.errors import (
     RendezvousTimeoutError,
 )
 from nblaunch.events import Event, EventSink, NullView, RunState, diagnosis
+from nblaunch.node_start import NodeStarter, check_start_nodes, start_joins
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
 from nblaunch.plan import LaunchPlan, detect_devices, plan_launch, serialize_payload
 from nblaunch.relay import TAIL_LINES, Relay, log_line, open_private
@@ -417,6 +418,8 @@ def launch_multinode(
     run_dir: str | os.PathLike[str] | None = None,
     display: str = "auto",
     rdzv_id: str | None = None,
+    start_nodes: str | None = None,
+    hostfile: str | os.PathLike[str] | None = None,
     view: EventSink | None = None,
 ) -> list[Any]:
     """Run ``function`` on ``num_processes`` ranks on each of ``num_nodes`` nodes.
@@ -440,6 +443,9 @@ def launch_multinode(
     rdzv_id
         The run id (torchrun's ``--rdzv-id``), so that ``join --run-id RUN`` can be started
         before the cell, by a batch script or ``srun``; default: the run directory's name.
+    start_nodes, hostfile
+        Start the other nodes' ``join`` from here (:mod:`nblaunch.node_start`): ``"ssh"`` on
+        the hosts of ``hostfile``, or ``"srun"`` inside a Slurm allocation.
     view
         Where events go, instead of the view ``display`` picks (for tests and other front ends).
 
@@ -460,6 +466,7 @@ def launch_multinode(
         The launch was interrupted; every rank on every node has been stopped.
     """
 
+    check_start_nodes(start_nodes, hostfile)
     plan, rdzv_timeout = plan_nodes(
         function,
         num_processes,
@@ -483,14 +490,19 @@ def launch_multinode(
         view = make_view(display)
     with signal_handlers_kept():
         run: MultiNodeRun | None = None
+        starter: NodeStarter | None = None
         try:
             head = Head(plan, view)
             try:
-                head.rendezvous(payload, rdzv_timeout)
+                if start_nodes is not None:
+                    starter = head.start_joins(start_nodes, hostfile)
+                head.rendezvous(payload, rdzv_timeout, starter)
                 run = MultiNodeRun(plan, view, head)
                 return run.execute(payload)
             finally:
                 head.close()
+                if starter is not None:
+                    starter.close()
         finally:
             if run is None:  # the run closes the view; before it exists, close it here
                 view.close()
@@ -592,10 +604,26 @@ class Head:
 
     # --- before the ranks start --------------------------------------------------------------
 
-    def rendezvous(self, payload: bytes | None, timeout: float) -> None:
+    def start_joins(self, start_nodes: str, hostfile: str | os.PathLike[str] | None) -> NodeStarter:
+        """Start ``join`` on the other nodes from here (:mod:`nblaunch.node_start`)."""
+        return start_joins(
+            start_nodes,
+            count=self.plan.num_nodes - 1,
+            endpoint=self.endpoint,
+            run_id=self.plan.run_id,
+            secret=self.secret.text,
+            log_dir=self.plan.run_dir,
+            hostfile=hostfile,
+        )
+
+    def rendezvous(
+        self, payload: bytes | None, timeout: float, starter: NodeStarter | None = None
+    ) -> None:
         """Publish the run, wait for every node, and show each one as it arrives.
 
         ``payload`` is the one-shot run's task; a pool's tasks come later (:meth:`publish_task`).
+        ``starter``: the join commands this notebook started, which fail the rendezvous at once
+        when one ends badly.
 
         Raises
         ------
@@ -613,12 +641,16 @@ class Head:
         self._show(plan.run_info(time.time()))
         others = plan.num_nodes - 1
         if others:
+            how = (
+                starter.describe()
+                if starter is not None
+                else f"run this on each of the other {others} node(s) (by hand, ssh, or srun):\n"
+                f"  {self.join_command()}"
+            )
             self.info(
                 f"waiting for {others} more node(s) at {self.endpoint}",
-                f"run this on each of the other {others} node(s) (by hand, ssh, or srun):\n"
-                f"  {self.join_command()}\n"
-                f"{plan.num_nodes} node(s) x {plan.nproc_per_node} rank(s) = {plan.world_size} "
-                f"ranks; waiting up to {timeout:g} s",
+                f"{how}\n{plan.num_nodes} node(s) x {plan.nproc_per_node} rank(s) = "
+                f"{plan.world_size} ranks; waiting up to {timeout:g} s",
             )
         warm_up(plan.start_method)
         # The rendezvous blocks; it runs on a thread (with its own connection to the store) so
@@ -648,6 +680,9 @@ class Head:
                     thread.join(0.1)
                     self._take_hellos()
                     self.view.flush()
+                    problem = starter.problem() if starter is not None else None
+                    if problem is not None:
+                        raise LaunchError(f"{problem}. Nothing was started.")
             except BaseException:
                 self._close_rendezvous()
                 raise

@@ -12,6 +12,8 @@ import os
 START_METHODS = ("forkserver", "spawn", "fork")
 # Kinds of device a rank can use; None (not listed) means "detect".
 DEVICE_TYPES = ("cuda", "cpu", "xla")
+# How the notebook may start the other nodes' join commands itself (nblaunch.node_start).
+START_NODES = ("ssh", "srun")
 # Where a run is shown: a widget in a notebook, text in a terminal, or nowhere.
 DISPLAY_MODES = ("auto", "widget", "text", "none")
 # Levels of the loggers nblaunch.get_logger gives ranks.

@@ -38,7 +38,13 @@ from typing import Any
 from nblaunch import debugger, pickling, worker
 from nblaunch.errors import LaunchError, describe_exit
 from nblaunch.events import NullView, RunState, diagnosis
-from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DEVICE_TYPES, DISPLAY_MODES, START_METHODS
+from nblaunch.options import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEVICE_TYPES,
+    DISPLAY_MODES,
+    START_METHODS,
+    START_NODES,
+)
 from nblaunch.plan import plan_launch, serialize_payload
 from nblaunch.run import Run
 from nblaunch.supervisor import reap_let_go
@@ -54,7 +60,7 @@ START_TIMEOUT_S = 120.0
 _current: Pool | None = None
 _atexit_registered = False
 # The options of a pool on several machines (start_pool's names).
-NODE_OPTIONS = ("rdzv_endpoint", "rdzv_timeout", "rdzv_id")
+NODE_OPTIONS = ("rdzv_endpoint", "rdzv_timeout", "rdzv_id", "start_nodes", "hostfile")
 # Inside a rank: the namespace %%distributed cells run in; it persists between tasks.
 _namespace: dict[str, Any] = {}
 
@@ -122,6 +128,8 @@ def start_pool(
     rdzv_endpoint: str | None = None,
     rdzv_timeout: float | None = None,
     rdzv_id: str | None = None,
+    start_nodes: str | None = None,
+    hostfile: str | os.PathLike[str] | None = None,
 ) -> Pool:
     """Start ``num_processes`` ranks that stay alive until :meth:`Pool.close`.
 
@@ -130,7 +138,8 @@ def start_pool(
 
     With ``num_nodes``, the pool spans that many machines: ``num_processes`` ranks on each,
     this one first; each other node runs ``python -m nblaunch join`` once (the command is
-    printed), and stays in the pool across its restarts until the pool is closed.
+    printed), and stays in the pool across its restarts until the pool is closed; or the
+    pool starts them itself with ``start_nodes`` (``"ssh"`` with ``hostfile``, ``"srun"``).
 
     Returns
     -------
@@ -159,6 +168,8 @@ def start_pool(
         rdzv_endpoint=rdzv_endpoint,
         rdzv_timeout=rdzv_timeout,
         rdzv_id=rdzv_id,
+        start_nodes=start_nodes,
+        hostfile=hostfile,
     )
     return pool.start()
 
@@ -192,6 +203,8 @@ class Pool:
         rdzv_endpoint: str | None = None,
         rdzv_timeout: float | None = None,
         rdzv_id: str | None = None,
+        start_nodes: str | None = None,
+        hostfile: str | os.PathLike[str] | None = None,
     ) -> None:
         self.num_processes = num_processes
         self.options: dict[str, Any] = {
@@ -212,8 +225,13 @@ class Pool:
                 "rdzv_endpoint": rdzv_endpoint,
                 "rdzv_timeout": rdzv_timeout,
                 "rdzv_id": rdzv_id,
+                "start_nodes": start_nodes,
+                "hostfile": hostfile,
             }
-        self._secret: Any = None  # a multi-node pool's, kept so the nodes' joins stay valid
+        # A multi-node pool's secret, kept so the nodes' joins stay valid across restarts, and
+        # the join commands it started itself (start_nodes), which rejoin every restart.
+        self._secret: Any = None
+        self._starter: Any = None
         self.display = display
         self.start_timeout = start_timeout
         self.state = PoolState.CLOSED
@@ -308,6 +326,8 @@ class Pool:
         if run is not None and self.state is PoolState.IDLE:
             run.hang_up(limit_s=3.0)
         self._shut_down(grace=1.0, rejoin=rejoin)
+        if not rejoin:
+            self._end_joins()
         reap_let_go(wait=True)  # closed means gone: their memory is free again
         self.state = PoolState.CLOSED
         if _current is self:
@@ -628,11 +648,14 @@ class Pool:
     def _plan_nodes(self) -> Any:
         """The plan of this node of a multi-node pool (node 0)."""
         from nblaunch import multinode  # not at import: ~10 ms
+        from nblaunch.node_start import check_start_nodes
 
         assert self.nodes is not None
         options = {k: v for k, v in self.options.items() if k not in ("master_addr", "master_port")}
+        nodes = {k: v for k, v in self.nodes.items() if k not in ("start_nodes", "hostfile")}
+        check_start_nodes(self.nodes["start_nodes"], self.nodes["hostfile"])
         plan, self._rdzv_timeout = multinode.plan_nodes(
-            _pool_task, self.num_processes, pool=True, **self.nodes, **options
+            _pool_task, self.num_processes, pool=True, **nodes, **options
         )
         # Restarts keep the run id (and the secret): the nodes' join commands stay valid.
         self.nodes["rdzv_id"] = plan.rdzv_run_id
@@ -647,12 +670,21 @@ class Pool:
         head = multinode.Head(plan, NullView(), secret=self._secret)
         self._secret = head.secret
         try:
+            if self.nodes["start_nodes"] and self._starter is None:
+                self._starter = head.start_joins(self.nodes["start_nodes"], self.nodes["hostfile"])
             with multinode.signal_handlers_kept():
-                head.rendezvous(None, self._rdzv_timeout)
+                head.rendezvous(None, self._rdzv_timeout, self._starter)
         except BaseException:
             head.close()
+            self._end_joins()
             raise
         return multinode.MultiNodeRun(plan, NullView(), head)
+
+    def _end_joins(self) -> None:
+        """The join commands this pool started end with it (they are given a while)."""
+        if self._starter is not None:
+            self._starter.close()
+            self._starter = None
 
     def _check_usable(self) -> None:
         """Raise ``LaunchError`` unless the pool can take a task now."""
@@ -1022,6 +1054,8 @@ def _start_parser(prog: str) -> Any:
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT")
     parser.add_argument("--rdzv-timeout", type=float, default=None, metavar="S")
     parser.add_argument("--run-id", dest="rdzv_id", default=None, metavar="ID")
+    parser.add_argument("--start-nodes", choices=START_NODES, default=None)
+    parser.add_argument("--hostfile", default=None, metavar="PATH")
     parser.add_argument("-h", "--help", action="store_true")
     return parser
 

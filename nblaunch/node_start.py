@@ -1,0 +1,233 @@
+"""Starting the other nodes' ``join`` from the notebook, over ssh or Slurm's srun (opt-in).
+
+``start_nodes="ssh"`` with a ``hostfile`` runs ``python -m nblaunch join`` on the first
+``num_nodes - 1`` hosts of the file that are not this machine; every host is first checked for
+passwordless ssh (:func:`nblaunch.doctor.check_host`), and one that fails stops the launch
+before anything starts, with the doctor's fix. The run's secret goes down ssh's stdin
+(``--secret-file -``), so it is on no command line. ``start_nodes="srun"``, inside a Slurm
+allocation, runs one ``join`` on each of ``num_nodes - 1`` other nodes of the job; the secret
+travels in the environment, which srun passes on.
+
+What each started command prints goes to ``join-<host>.log`` in the run directory. A command
+that ends badly before every node joined fails the launch with its last line, instead of a
+rendezvous timeout minutes later. The commands are not killed when the run ends: each ``join``
+ends with its run (or, for a pool, when the pool is closed); they get a while to, then are
+stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nblaunch.errors import LaunchError
+from nblaunch.options import START_NODES
+from nblaunch.relay import open_private
+from nblaunch.trust import SECRET_ENV
+
+# How long the started commands get to end by themselves after the run, before they are stopped.
+END_WAIT_S = 15.0
+
+
+@dataclass
+class StartedJoin:
+    """One started command: ``host`` (or "srun"), its process and its log file."""
+
+    host: str
+    process: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class NodeStarter:
+    """The ``join`` commands the notebook started on the other nodes."""
+
+    method: str
+    started: list[StartedJoin] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """Where the commands run and where their output goes."""
+        if self.method == "srun":
+            return f"srun started join on the other node(s); output in {self.started[0].log}"
+        hosts = ", ".join(join.host for join in self.started)
+        return f"started join over ssh on {hosts}; output in join-<host>.log beside the rank logs"
+
+    def problem(self) -> str | None:
+        """What went wrong with a command that already ended badly (None: all well so far)."""
+        for join in self.started:
+            code = join.process.poll()
+            if code not in (None, 0):
+                return (
+                    f"join on {join.host} ({self.method}) ended with exit code {code}: "
+                    f"{_last_line(join.log)} (its output: {join.log})"
+                )
+        return None
+
+    def close(self, wait_s: float = END_WAIT_S) -> None:
+        """Wait (bounded) for the commands to end with their run; stop those that do not."""
+        deadline = time.monotonic() + wait_s
+        for join in self.started:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                join.process.wait(max(0.0, deadline - time.monotonic()))
+            if join.process.poll() is None:  # its own session: ssh and what it started
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(join.process.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    join.process.wait(5.0)
+
+
+def check_start_nodes(start_nodes: str | None, hostfile: str | os.PathLike[str] | None) -> None:
+    """Refuse a bad ``start_nodes``/``hostfile`` pair before anything starts.
+
+    Raises
+    ------
+    LaunchError
+        Naming the problem and the fix.
+    """
+    if start_nodes is None:
+        if hostfile is not None:
+            raise LaunchError("hostfile= is for start_nodes='ssh'; pass that too")
+        return
+    if start_nodes not in START_NODES:
+        raise LaunchError(
+            f"start_nodes={start_nodes!r} is not one of {', '.join(START_NODES)} (or None: "
+            "start the printed join command yourself)"
+        )
+    if start_nodes == "ssh" and hostfile is None:
+        raise LaunchError(
+            "start_nodes='ssh' needs hostfile=: a file naming the other machines, one per line"
+        )
+    if start_nodes == "srun" and not os.environ.get("SLURM_JOB_ID"):
+        raise LaunchError(
+            "start_nodes='srun' works inside a Slurm allocation (SLURM_JOB_ID is not set): run "
+            "Jupyter inside salloc or sbatch, or use start_nodes='ssh' with a hostfile"
+        )
+
+
+def start_joins(
+    start_nodes: str,
+    *,
+    count: int,
+    endpoint: str,
+    run_id: str,
+    secret: str,
+    log_dir: Path | None,
+    hostfile: str | os.PathLike[str] | None = None,
+) -> NodeStarter:
+    """Start ``join`` for run ``run_id`` at ``endpoint`` on ``count`` other nodes.
+
+    Raises
+    ------
+    LaunchError
+        Too few hosts, a host ssh cannot reach without a prompt, no ``srun``/``ssh`` on PATH.
+    """
+    check_start_nodes(start_nodes, hostfile)
+    join = [sys.executable, "-m", "nblaunch", "join", endpoint, "--run-id", run_id]
+    starter = NodeStarter(start_nodes)
+    if start_nodes == "srun":
+        srun = _tool("srun", "run the notebook inside a Slurm allocation")
+        command = [
+            srun,
+            f"--nodes={count}",
+            "--ntasks-per-node=1",
+            f"--exclude={socket.gethostname()}",
+            *join,
+        ]
+        env = {**os.environ, SECRET_ENV: secret}  # srun passes the environment on
+        starter.started.append(_start("srun", command, None, env, log_dir))
+        return starter
+    ssh = _tool("ssh", "install an OpenSSH client (openssh-client)")
+    hosts = _other_hosts(hostfile, count)
+    problems = _unreachable(hosts, ssh)
+    if problems:
+        raise LaunchError(
+            "cannot start the other nodes over ssh; nothing was started:\n" + "\n".join(problems)
+        )
+    for host in hosts:
+        remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; exec " + shlex.join(
+            [*join, "--secret-file", "-", "--local-addr", host]
+        )
+        command = [ssh, "-o", "BatchMode=yes", host, remote]
+        starter.started.append(_start(host, command, secret + "\n", None, log_dir))
+    return starter
+
+
+def _other_hosts(hostfile: str | os.PathLike[str] | None, count: int) -> list[str]:
+    from nblaunch.doctor import read_hostfile
+
+    assert hostfile is not None
+    try:
+        listed = read_hostfile(hostfile)
+    except OSError as exc:
+        raise LaunchError(f"cannot read hostfile {hostfile}: {exc.strerror or exc}") from None
+    here = {"localhost", socket.gethostname(), socket.getfqdn(), socket.gethostname().split(".")[0]}
+    others = [host for host in listed if host not in here]
+    if len(others) < count:
+        raise LaunchError(
+            f"hostfile {hostfile} names {len(others)} machine(s) other than this one "
+            f"({', '.join(others) or 'none'}); the run needs {count}. Add hosts, or lower "
+            "num_nodes"
+        )
+    return others[:count]
+
+
+def _unreachable(hosts: list[str], ssh: str) -> list[str]:
+    """The doctor's check of each host, in parallel: one line per host that fails."""
+    import concurrent.futures
+
+    from nblaunch.doctor import SSH_TIMEOUT_S, check_host
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        checks = list(pool.map(lambda host: check_host(host, SSH_TIMEOUT_S, ssh), hosts))
+    return [f"  {c.host}: {c.problem}; fix: {c.fix}" for c in checks if not c.ok]
+
+
+def _start(
+    host: str,
+    command: list[str],
+    stdin: str | None,
+    env: dict[str, str] | None,
+    log_dir: Path | None,
+) -> StartedJoin:
+    log = (log_dir or Path.cwd()) / f"join-{host}.log"
+    with open_private(log, "ab") as out:
+        # Its own session: the notebook's interrupt is for the notebook, and the command can
+        # be stopped with everything it started.
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    if stdin is not None:
+        assert process.stdin is not None
+        with contextlib.suppress(OSError):
+            process.stdin.write(stdin.encode())
+            process.stdin.close()
+    return StartedJoin(host, process, log)
+
+
+def _tool(name: str, fix: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise LaunchError(f"{name} is not on PATH: {fix}, or start the join commands yourself")
+    return path
+
+
+def _last_line(log: Path) -> str:
+    with contextlib.suppress(OSError):
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        if lines:
+            return lines[-1].strip()
+    return "no output"
