@@ -13,7 +13,10 @@ them. Per kernel:
   ipyparallel ``Cluster(n=2)``), with the forkserver or engines started from cold;
 - *first cell*: the first trivial cell after the start;
 - *trivial cell*: the median of ``ROUNDS`` trivial cells (``pass`` on both ranks), live view
-  included where the approach has one (nblaunch shows its widget for every cell);
+  included where the approach has one (nblaunch shows its widget for every cell), run back to
+  back as "Run All" does; and again with ``PAUSE_S`` before each, as a person runs cells (what
+  an approach does while the notebook is idle counts there: nblaunch's one-shot launch forks
+  the next cell's ranks then);
 - *printing cell*: ``print(rank)`` on both ranks (median of ``PRINT_ROUNDS``); a pool cell with
   something to show builds nblaunch's live widget, a quick silent one shows nothing;
 - *rank error fails the cell*: a cell raising ``ValueError`` on rank 1 ends with an error reply
@@ -35,6 +38,7 @@ import time
 ROUNDS = 30
 ONE_SHOT_ROUNDS = 20
 PRINT_ROUNDS = 10
+PAUSE_S = 0.5
 CELL_TIMEOUT_S = 180.0
 
 
@@ -86,9 +90,10 @@ class Kernel:
         self.manager.shutdown_kernel(now=True)
 
 
-def times_ms(kernel: Kernel, code: str, rounds: int) -> list[float]:
+def times_ms(kernel: Kernel, code: str, rounds: int, pause_s: float = 0.0) -> list[float]:
     times = []
     for _ in range(rounds):
+        time.sleep(pause_s)
         seconds, error, text = kernel.run(code)
         if error:
             raise RuntimeError(f"{code!r} failed: {error}: {text[-300:]}")
@@ -96,8 +101,8 @@ def times_ms(kernel: Kernel, code: str, rounds: int) -> list[float]:
     return times
 
 
-def median_ms(kernel: Kernel, code: str, rounds: int) -> float:
-    return statistics.median(times_ms(kernel, code, rounds))
+def median_ms(kernel: Kernel, code: str, rounds: int, pause_s: float = 0.0) -> float:
+    return statistics.median(times_ms(kernel, code, rounds, pause_s))
 
 
 def measure(
@@ -127,6 +132,7 @@ def measure(
         if "rror" in text:  # printed an error, yet the cell "succeeded"
             notes = "first cell printed: " + text.strip().splitlines()[-1][:70]
         cell = median_ms(kernel, trivial, ROUNDS if start else ONE_SHOT_ROUNDS)
+        paused = median_ms(kernel, trivial, ROUNDS if start else ONE_SHOT_ROUNDS, PAUSE_S)
         printed = median_ms(kernel, printing, PRINT_ROUNDS if start else ONE_SHOT_ROUNDS)
         _, error, _ = kernel.run(failing)
         if restart:  # a start with the forkserver (or engines) already warm
@@ -142,6 +148,7 @@ def measure(
             "start": start_s if start else None,
             "first": first_s * 1000,
             "cell": cell,
+            "paused": paused,
             "plain": plain,
             "overhead": cell - plain,
             "printing": printed,
@@ -221,15 +228,16 @@ def main() -> None:
     print()
     print(
         "| approach | start 2 workers (s) | first cell (ms) | plain cell (ms) | trivial cell (ms) "
-        "| overhead per cell (ms) | cell printing 1 line per rank (ms) "
+        f"| trivial cell, {PAUSE_S:g} s apart (ms) | overhead per cell (ms) "
+        "| cell printing 1 line per rank (ms) "
         "| rank error fails the cell | notes |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for row in rows:
         start = "-" if row["start"] is None else f"{row['start']:.2f}"
         print(
             f"| {row['name']} | {start} | {row['first']:.1f} | {row['plain']:.1f} "
-            f"| {row['cell']:.1f} "
+            f"| {row['cell']:.1f} | {row['paused']:.1f} "
             f"| {row['overhead']:.1f} | {row['printing']:.1f} | {row['fails']} | {row['notes']} |"
         )
     print()

@@ -26,6 +26,10 @@ from nblaunch.options import env_off
 from nblaunch.supervisor import RankProcess, Supervisor, main_module_has_source
 
 SPARES_ENV = "NBLAUNCH_SPARE_RANKS"
+# The forking waits this long, so that the cell that launched ends first: it would compete
+# with the kernel's reply for the interpreter (a thread switch every 5 ms) and the CPU. A launch
+# that comes sooner (cells run back to back) cancels it and forks its own ranks.
+FORK_DELAY_S = 0.05
 
 
 @dataclass
@@ -39,8 +43,13 @@ class Spares:
 
 _lock = threading.Lock()
 _spares: Spares | None = None
-_forking: threading.Thread | None = None
-_atexit_registered = False
+# One long-lived thread forks, when asked (starting a thread per launch cost ~2 ms a cell).
+_worker: threading.Thread | None = None
+_request: tuple[int, str] | None = None  # (world size, start method) to fork next
+_wake = threading.Event()  # a request is waiting
+_idle = threading.Event()  # the worker is not forking: spares, if any, are complete
+_idle.set()
+_cancel = threading.Event()  # a launch came first: do not begin forking
 
 
 def wanted(start_method: str) -> bool:
@@ -55,18 +64,30 @@ def wanted(start_method: str) -> bool:
 
 
 def fork_ahead(world_size: int, start_method: str) -> None:
-    """Fork ``world_size`` spare ranks on a background thread, when :func:`wanted`."""
-    global _forking, _atexit_registered
+    """Have ``world_size`` spare ranks forked in the background, when :func:`wanted`."""
+    global _worker, _request
     if not wanted(start_method):
         return
     discard()
-    if not _atexit_registered:  # before multiprocessing's own, which would wait for them
-        atexit.register(discard)
-        _atexit_registered = True
-    _forking = threading.Thread(
-        target=_fork, args=(world_size, start_method), name="nblaunch-spares", daemon=True
-    )
-    _forking.start()
+    if _worker is None:
+        atexit.register(discard)  # before multiprocessing's exit, which would wait for them
+        _worker = threading.Thread(target=_serve, name="nblaunch-spares", daemon=True)
+        _worker.start()
+    _request = (world_size, start_method)
+    _cancel.clear()
+    _idle.clear()
+    _wake.set()
+
+
+def _serve() -> None:
+    global _request
+    while True:
+        _wake.wait()
+        _wake.clear()
+        request, _request = _request, None
+        if request is not None and not _cancel.wait(FORK_DELAY_S):
+            _fork(*request)
+        _idle.set()
 
 
 def _fork(world_size: int, start_method: str) -> None:
@@ -98,8 +119,7 @@ def take(start_method: str, rank_ids: list[int]) -> Spares | None:
 
 def pids() -> list[int]:
     """The processes of the spares waiting now (once the thread forking them is done)."""
-    if _forking is not None:
-        _forking.join()
+    _idle.wait()
     with _lock:
         return [rank.pid for rank in _spares.ranks] if _spares is not None else []
 
@@ -112,10 +132,10 @@ def discard() -> None:
 
 
 def _claim() -> Spares | None:
-    """The spares, once the thread forking them is done; nobody else gets them."""
+    """The spares, once the thread forking them is done (or cancelled before it began)."""
     global _spares
-    if _forking is not None:
-        _forking.join()
+    _cancel.set()
+    _idle.wait()
     with _lock:
         spares, _spares = _spares, None
     return spares

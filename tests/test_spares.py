@@ -8,11 +8,7 @@ from __future__ import annotations
 import psutil
 from conftest import wait_until
 
-SPARE_PIDS = (
-    "import nblaunch.spares as s\n"
-    "s._forking.join(10)\n"
-    "print(sorted(r.pid for r in s._spares.ranks) if s._spares else [])"
-)
+SPARE_PIDS = "import nblaunch.spares\nprint(sorted(nblaunch.spares.pids()))"
 
 
 def _pids(kernel) -> list[int]:
@@ -64,8 +60,8 @@ def test_no_spares_when_turned_off(tmp_path, monkeypatch):
     try:
         assert kernel.run("%load_ext nblaunch")["error"] is None
         assert kernel.run("%%distributed -n 2\npass", timeout=120)["error"] is None
-        cell = kernel.run("import nblaunch.spares as s\nprint(s._forking, s._spares)")
-        assert cell["out"].strip() == "None None"
+        cell = kernel.run("import nblaunch.spares as s\nprint(s._worker, s.pids())")
+        assert cell["out"].strip() == "None []"
     finally:
         kernel.close()
 
@@ -75,7 +71,7 @@ def test_a_script_forks_no_spares():
     import nblaunch.spares as spares
 
     assert nblaunch.notebook_launcher(_pid, num_processes=2, display="none")
-    assert spares._forking is None and spares._spares is None
+    assert spares._worker is None and spares.pids() == []
 
 
 def _pid() -> int:
