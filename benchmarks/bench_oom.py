@@ -152,6 +152,7 @@ def run_accelerate(mode: str, reduce: str) -> dict:
 
 
 def run_nblaunch(mode: str) -> dict:
+    from nblaunch.options import LaunchOptions
     from nblaunch.plan import plan_launch, serialize_payload
     from nblaunch.run import Run
 
@@ -171,7 +172,7 @@ def run_nblaunch(mode: str) -> dict:
 
     recorder = Recorder()
     t0 = time.time()
-    plan = plan_launch(nblaunch_train, 2, device_type="cpu", hang_timeout=BOUND_S)
+    plan = plan_launch(nblaunch_train, 2, LaunchOptions(device_type="cpu", hang_timeout=BOUND_S))
     try:
         values = Run(plan, recorder).execute(serialize_payload(nblaunch_train, (mode, t0)))
         outcome = "finished"

@@ -21,7 +21,7 @@ from typing import Any
 
 from nblaunch import spares
 from nblaunch.errors import LaunchError
-from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
+from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions
 from nblaunch.plan import (  # noqa: F401  (kept importable from here)
     LaunchPlan,
     find_unpicklable,
@@ -129,38 +129,7 @@ def notebook_launcher(
     __tracebackhide__ = True  # the rank's traceback matters, not the launcher's frames
 
     refuse_if_running("notebook_launcher")  # a persistent pool holds the devices
-    if num_nodes != 1 or rdzv_endpoint is not None or rdzv_id is not None or start_nodes:
-        if debug_on_error:
-            raise LaunchError(
-                "debug_on_error=True works on one machine only: its prompts cannot reach "
-                "another node's ranks; debug on one node, then scale out"
-            )
-        from nblaunch.multinode import launch_multinode  # not at import: ~9 ms, rarely used
-
-        return launch_multinode(
-            function,
-            args,
-            num_processes,
-            num_nodes=num_nodes,
-            rdzv_endpoint=rdzv_endpoint,
-            rdzv_timeout=rdzv_timeout,
-            kwargs=kwargs,
-            start_method=start_method,
-            debug=debug,
-            log_level=log_level,
-            hang_timeout=hang_timeout,
-            timeout=timeout,
-            setup_process_group=setup_process_group,
-            device_type=device_type,
-            run_dir=run_dir,
-            display=display,
-            rdzv_id=rdzv_id,
-            start_nodes=start_nodes,
-            hostfile=hostfile,
-        )
-    plan = plan_launch(
-        function,
-        num_processes,
+    options = LaunchOptions(
         start_method=start_method,
         debug=debug,
         log_level=log_level,
@@ -173,6 +142,19 @@ def notebook_launcher(
         run_dir=run_dir,
         debug_on_error=debug_on_error,
     )
+    if num_nodes != 1 or rdzv_endpoint is not None or rdzv_id is not None or start_nodes:
+        if debug_on_error:
+            raise LaunchError(
+                "debug_on_error=True works on one machine only: its prompts cannot reach "
+                "another node's ranks; debug on one node, then scale out"
+            )
+        nodes = NodeOptions(num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
+        from nblaunch.multinode import launch_multinode  # not at import: ~9 ms, rarely used
+
+        return launch_multinode(
+            function, args, num_processes, options, nodes, kwargs=kwargs, display=display
+        )
+    plan = plan_launch(function, num_processes, options)
     payload = serialize_payload(function, args, kwargs)
     from nblaunch.widgets import DeferredView, LaunchView, make_view  # not at import: ~12 ms
 

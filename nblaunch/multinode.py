@@ -35,19 +35,16 @@ signal handlers.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import datetime
 import os
-import re
 import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from nblaunch.errors import (
@@ -57,20 +54,15 @@ from nblaunch.errors import (
     RendezvousTimeoutError,
 )
 from nblaunch.events import Event, EventSink, NullView, RunState, diagnosis
-from nblaunch.node_start import NodeStarter, check_start_nodes, start_joins
-from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
+from nblaunch.node_start import NodeStarter, start_joins
+from nblaunch.options import DEFAULT_RDZV_PORT, LaunchOptions, NodeOptions
 from nblaunch.plan import LaunchPlan, detect_devices, plan_launch, serialize_payload
-from nblaunch.relay import TAIL_LINES, Relay, log_line, open_private
+from nblaunch.relay import Relay, open_private
 from nblaunch.run import Run
-from nblaunch.supervisor import Supervisor, warm_up
+from nblaunch.supervisor import warm_up
 from nblaunch.trust import SECRET_ENV, RunSecret, SigningStore, remove_secret_file
 from nblaunch.verdict import Cause, RootCause
 
-DEFAULT_PORT = 29400
-# torch's own default for the join timeout of the c10d rendezvous.
-DEFAULT_RDZV_TIMEOUT_S = 600.0
-# A run id chosen by the caller (rdzv_id=): it names store keys and a file, so plain characters.
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # Where the notebook node's news about the other nodes is kept, in the run directory.
 NODES_LOG = "nodes.log"
 # Timeout of single store operations (a get, a push); generous, the network may be slow.
@@ -131,10 +123,10 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     if not isinstance(endpoint, str) or not endpoint.strip():
         raise LaunchError(
             f"rdzv_endpoint must be 'host:port', an address of this machine that the other "
-            f"nodes can reach, e.g. 'head-node:{DEFAULT_PORT}'; got {endpoint!r}"
+            f"nodes can reach, e.g. 'head-node:{DEFAULT_RDZV_PORT}'; got {endpoint!r}"
         )
     try:
-        return parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
+        return parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_RDZV_PORT)
     except ValueError as exc:
         raise LaunchError(f"rdzv_endpoint={endpoint!r} is not 'host:port': {exc}") from None
 
@@ -401,51 +393,33 @@ def plan_for_joined_node(
 
 def launch_multinode(
     function: Any,
-    args: tuple[Any, ...] | list[Any] = (),
-    num_processes: int | None = None,
+    args: tuple[Any, ...] | list[Any],
+    num_processes: int | None,
+    options: LaunchOptions,
+    nodes: NodeOptions,
     *,
-    num_nodes: int,
-    rdzv_endpoint: str | None,
-    rdzv_timeout: float | None = None,
     kwargs: dict[str, Any] | None = None,
-    start_method: str = "forkserver",
-    debug: bool | None = None,
-    log_level: str | None = None,
-    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
-    timeout: float | None = None,
-    setup_process_group: bool = True,
-    device_type: str | None = None,
-    run_dir: str | os.PathLike[str] | None = None,
     display: str = "auto",
-    rdzv_id: str | None = None,
-    start_nodes: str | None = None,
-    hostfile: str | os.PathLike[str] | None = None,
     view: EventSink | None = None,
 ) -> list[Any]:
-    """Run ``function`` on ``num_processes`` ranks on each of ``num_nodes`` nodes.
+    """Run ``function`` on ``num_processes`` ranks on each of ``nodes.num_nodes`` nodes.
 
     Called by :func:`~nblaunch.launcher.notebook_launcher` when ``num_nodes`` is given; see
-    there for the shared parameters. This process is node 0 and holds ranks 0 to
-    ``num_processes - 1``; the other nodes join with ``python -m nblaunch join``.
+    there for the options. This process is node 0 and holds ranks 0 to ``num_processes - 1``;
+    the other nodes join with ``python -m nblaunch join`` (started by hand, or from here with
+    ``nodes.start_nodes``: :mod:`nblaunch.node_start`).
 
     Parameters
     ----------
     num_processes
         Ranks *per node* (like torchrun's ``--nproc-per-node``); the run has
         ``num_processes * num_nodes`` ranks.
-    num_nodes
-        How many machines take part, this one included.
-    rdzv_endpoint
-        ``"host:port"``: an address of this machine that the other nodes can reach. The
-        rendezvous, the process group's store and the event channel all use this one port.
-    rdzv_timeout
-        Seconds to wait for every node to join (default 600, torch's default).
-    rdzv_id
-        The run id (torchrun's ``--rdzv-id``), so that ``join --run-id RUN`` can be started
-        before the cell, by a batch script or ``srun``; default: the run directory's name.
-    start_nodes, hostfile
-        Start the other nodes' ``join`` from here (:mod:`nblaunch.node_start`): ``"ssh"`` on
-        the hosts of ``hostfile``, or ``"srun"`` inside a Slurm allocation.
+    options
+        How the ranks start and are watched, as for one machine.
+    nodes
+        How many machines, where they meet (``rdzv_endpoint``: an address of this machine the
+        other nodes can reach; one port serves the rendezvous, the process group's store and
+        the event channel), how long to wait for them, the run id, and whether to start them.
     view
         Where events go, instead of the view ``display`` picks (for tests and other front ends).
 
@@ -466,23 +440,7 @@ def launch_multinode(
         The launch was interrupted; every rank on every node has been stopped.
     """
 
-    check_start_nodes(start_nodes, hostfile)
-    plan, rdzv_timeout = plan_nodes(
-        function,
-        num_processes,
-        num_nodes=num_nodes,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_timeout=rdzv_timeout,
-        rdzv_id=rdzv_id,
-        start_method=start_method,
-        debug=debug,
-        log_level=log_level,
-        hang_timeout=hang_timeout,
-        timeout=timeout,
-        setup_process_group=setup_process_group,
-        device_type=device_type,
-        run_dir=run_dir,
-    )
+    plan = plan_nodes(function, num_processes, options, nodes)
     payload = serialize_payload(function, args, kwargs)
     if view is None:
         from nblaunch.widgets import make_view
@@ -494,9 +452,9 @@ def launch_multinode(
         try:
             head = Head(plan, view)
             try:
-                if start_nodes is not None:
-                    starter = head.start_joins(start_nodes, hostfile)
-                head.rendezvous(payload, rdzv_timeout, starter)
+                if nodes.start_nodes is not None:
+                    starter = head.start_joins(nodes.start_nodes, nodes.hostfile)
+                head.rendezvous(payload, nodes.rdzv_timeout, starter)
                 run = MultiNodeRun(plan, view, head)
                 return run.execute(payload)
             finally:
@@ -511,57 +469,33 @@ def launch_multinode(
 def plan_nodes(
     function: Any,
     num_processes: int | None,
-    *,
-    num_nodes: int,
-    rdzv_endpoint: str | None,
-    rdzv_timeout: float | None,
-    rdzv_id: str | None,
+    options: LaunchOptions,
+    nodes: NodeOptions,
     pool: bool = False,
-    **options: Any,
-) -> tuple[MultiNodePlan, float]:
-    """Check the multi-node arguments and plan node 0 (this one); ``options`` are
-    :func:`~nblaunch.plan.plan_launch`'s. Returns the plan and the rendezvous timeout.
+) -> MultiNodePlan:
+    """Plan node 0 (this one) of a run on ``nodes``.
 
     Raises
     ------
     LaunchError
         Bad arguments, or an address this machine cannot listen on.
     """
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-        raise LaunchError(f"num_nodes must be a whole number of machines >= 1, got {num_nodes!r}")
-    if rdzv_endpoint is None:
-        raise LaunchError(
-            f"num_nodes={num_nodes} needs rdzv_endpoint='host:port': an address of this machine "
-            f"that the other nodes can reach, e.g. rdzv_endpoint='{socket.gethostname()}:"
-            f"{DEFAULT_PORT}'"
-        )
-    if rdzv_timeout is None:
-        rdzv_timeout = DEFAULT_RDZV_TIMEOUT_S
-    if isinstance(rdzv_timeout, bool) or not isinstance(rdzv_timeout, (int, float)):
-        raise LaunchError(f"rdzv_timeout must be a number of seconds, got {rdzv_timeout!r}")
-    if rdzv_timeout <= 0:
-        raise LaunchError(f"rdzv_timeout must be positive, got {rdzv_timeout!r}")
-    if rdzv_id is not None and not (isinstance(rdzv_id, str) and RUN_ID.match(rdzv_id)):
-        raise LaunchError(
-            f"rdzv_id={rdzv_id!r}: a run id is 1 to 64 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    host, port = parse_endpoint(rdzv_endpoint)
+    assert nodes.rdzv_endpoint is not None  # NodeOptions checked it
+    host, port = parse_endpoint(nodes.rdzv_endpoint)
     listen_on(host, port).close()  # say now, in its own words, when we cannot listen there
-    base = plan_launch(function, num_processes, master_addr=host, master_port=None, **options)
+    base = plan_launch(function, num_processes, options.replace(master_addr=host, master_port=None))
     if base.device_type == "xla":
         raise LaunchError("multi-node runs support CUDA and CPU ranks, not XLA devices")
     values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    values.update(world_size=base.world_size * num_nodes, master_port=port)
-    plan = MultiNodePlan(
+    values.update(world_size=base.world_size * nodes.num_nodes, master_port=port)
+    return MultiNodePlan(
         **values,
-        num_nodes=num_nodes,
+        num_nodes=nodes.num_nodes,
         nproc_per_node=base.world_size,
         node_rank=0,
-        rdzv_run_id=rdzv_id or base.run_id,
+        rdzv_run_id=nodes.rdzv_id or base.run_id,
         pool=pool,
     )
-    return plan, float(rdzv_timeout)
 
 
 class Head:
@@ -771,7 +705,7 @@ class Head:
             self.last_seen[node] = now
             expected = self.received.get(node, 0)
             if first > expected:  # taken off the queue by someone else
-                self._warn(
+                self.warn(
                     f"{first - expected} event(s) from node {self.hosts.get(node, node)} were "
                     "removed from the run's store by another client",
                     "Output lines or events of that node's ranks are missing from the view and "
@@ -841,7 +775,7 @@ class Head:
                     records.append(self.secret.open(data, key))
                 except AuthenticationError as exc:  # never unpickled: dropped and said
                     self.dropped += 1
-                    self._warn(
+                    self.warn(
                         f"a record on the run's store failed authentication and was dropped "
                         f"({self.dropped} so far)",
                         f"{exc}. Another client is writing to the store at {self.endpoint} "
@@ -869,7 +803,7 @@ class Head:
             print(text, end="", file=sys.stderr, flush=True)
         self._show(diagnosis(title, body, severity, None))
 
-    def _warn(self, title: str, body: str) -> None:
+    def warn(self, title: str, body: str) -> None:
         """Tampering seen: a warning in the view, and on stderr whatever the view."""
         self.info(title, body, severity="warning")
 
@@ -890,73 +824,37 @@ class Head:
         remove_secret_file(self.plan.run_id)
 
 
-class _NodeSupervisor(Supervisor):
-    """The supervisor of one node: starts only this node's global ranks."""
-
-    def __init__(self, world_size: int, start_method: str, local_ranks: list[int]) -> None:
-        super().__init__(world_size, start_method)
-        self.local_ranks = local_ranks
-
-    def start(self, rank_ids: list[int] | None = None) -> None:
-        super().start(self.local_ranks if rank_ids is None else rank_ids)
-
-
-class NodesRelay(Relay):
-    """The notebook's relay: this node's pipes, plus what the other nodes pushed to the store.
+class RemoteNodes:
+    """The other nodes' events, from the store, for the notebook's relay (an ``EventSource``).
 
     Remote events reach the view and the run like local ones, with ``host`` and ``node`` added;
     remote output is written to ``rank<N>.log`` here too, so every rank's log is in one place.
     """
 
-    def __init__(self, ranks: list[Any], sink: EventSink, run_dir: Path | None, head: Head):
-        super().__init__(ranks, sink, run_dir)
+    def __init__(self, head: Head, relay: Relay) -> None:
         self.head = head
         for rank in range(head.plan.world_size):  # remote in-order logs line up with local ones
-            self.in_order.add_rank(rank)
+            relay.in_order.add_rank(rank)
 
-    def poll(self, timeout: float) -> list[dict[str, Any]]:
-        received = super().poll(timeout)
-        received.extend(self.pull_remote())
-        return received
-
-    def pull_remote(self) -> list[dict[str, Any]]:
-        """Pass the other nodes' events on; return those the run acts on (as ``poll`` does)."""
+    def pull(self, relay: Relay) -> list[dict[str, Any]]:
+        """Pass the other nodes' events on; return those the run acts on."""
         received: list[dict[str, Any]] = []
         for node, events in self.head.pull():
             host = self.head.hosts.get(node, f"node {node}")
             for event in events:
-                kind = event["kind"]
-                if kind == "node":  # a node's own news: started its ranks, beat, done, broken
-                    received.extend(self._node_news(node, event))
+                if event["kind"] == "node":  # a node's own news: started, beat, done, broken
+                    self._node_news(node, event)
                     continue
                 event["host"] = host
                 event["node"] = node
-                rank = event.get("rank")
-                if kind == "death":  # the run turns it into a failure and a state
+                # A death: the run makes it a failure and a state; the rest is shown and logged.
+                if event["kind"] == "death" or relay.accept(event):
                     received.append(event)
-                    continue
-                if kind == "stream":
-                    self.last_output[rank] = time.time()
-                    if not event["carriage"]:
-                        tail = self.tails.get(rank)
-                        if tail is None:  # not made per line: this loop carries every line
-                            tail = self.tails[rank] = _new_tail()
-                        tail.append(event["text"])
-                    self._remote_log(rank, event["text"] + "\n")
-                    self.sink.handle(event)
-                    continue
-                if kind == "log":
-                    self._remote_log(rank, log_line(event))
-                elif kind == "metrics":
-                    self.write_metrics(event)
-                for ready in self.in_order.feed(event):
-                    self.sink.handle(ready)
-                received.append(event)
         if received:
-            self.sink.flush()
+            relay.sink.flush()
         return received
 
-    def _node_news(self, node: int, news: dict[str, Any]) -> list[dict[str, Any]]:
+    def _node_news(self, node: int, news: dict[str, Any]) -> None:
         head = self.head
         what = news["what"]
         if what == "started":
@@ -970,33 +868,22 @@ class NodesRelay(Relay):
         elif what == "error":
             head.errors.append((node, news["message"]))
         elif what == "forged_control":
-            head._warn(
+            head.warn(
                 f"node {head.hosts.get(node, node)} ignored a forged control value",
                 f"Another client set the run's control key at {head.endpoint}; the node went on.",
             )
-        return []
 
-    def _remote_log(self, rank: int, text: str) -> None:
-        if self.run_dir is not None and rank not in self._logs:
-            self._logs[rank] = open_private(self.run_dir / f"rank{rank}.log", "ab")
-        self._log_text(rank, text)
-
-    def drain_output(self, timeout: float = 2.0) -> None:
-        """Drain this node's pipes, then wait (bounded) for every node to report it stopped."""
-        super().drain_output(timeout)
+    def drain(self, relay: Relay) -> None:
+        """Wait (bounded) for every other node to report its ranks stopped."""
         deadline = time.monotonic() + NODE_STOP_WAIT_S
         waiting = set(range(1, self.head.plan.num_nodes)) - self.head.done
         while waiting and time.monotonic() < deadline:
-            self.pull_remote()
+            self.pull(relay)
             waiting -= self.head.done
             waiting -= set(self.head.silent_nodes())
             if waiting:
                 time.sleep(0.05)
-        self.sink.flush()
-
-
-def _new_tail() -> Any:
-    return collections.deque(maxlen=TAIL_LINES)
+        relay.sink.flush()
 
 
 class _NodeMonitor:
@@ -1041,25 +928,27 @@ class MultiNodeRun(Run):
     """A :class:`~nblaunch.run.Run` whose ranks live on several nodes.
 
     This node's ranks are supervised here as in a single-node run; the other nodes' events
-    arrive through :class:`NodesRelay`. The decisions (root cause, when to stop) are the
-    ordinary run's; stopping also tells every other node, through the store, to stop its ranks.
+    reach the same relay from the store (:class:`RemoteNodes`). The decisions (root cause, when
+    to stop) are the ordinary run's; stopping also tells every other node, through the store,
+    to stop its ranks.
     """
+
+    restarts_ranks = False  # other nodes' ranks cannot be started again from here
 
     def __init__(self, plan: MultiNodePlan, view: EventSink, head: Head) -> None:
         super().__init__(plan, view)
         self.head = head
-        self.supervisor = _NodeSupervisor(plan.world_size, plan.start_method, plan.local_ranks)
+        self.announced = True  # the head showed the header before the rendezvous
         self.monitors.append(_NodeMonitor(head))
 
-    def start(self) -> None:
-        """Start this node's ranks; the header was shown before the rendezvous."""
+    def _start_processes(self) -> None:
         plan: MultiNodePlan = self.plan  # type: ignore[assignment]
-        self.supervisor.start()
-        self.relay = NodesRelay(self.supervisor.ranks, self.view, plan.run_dir, self.head)
-        for rank in range(plan.world_size):
-            self.set_state(rank, RunState.STARTING)
-        for rank in self.supervisor.ranks:
-            self.supervisor.send(rank, plan.setup_message(rank.rank))
+        self.supervisor.start(plan.local_ranks, setup=plan.setup_message)
+
+    def start(self) -> None:
+        super().start()
+        assert self.relay is not None
+        self.relay.add_source(RemoteNodes(self.head, self.relay))
 
     def begin_task(self, view: EventSink, ranks: list[int], **options: Any) -> None:
         super().begin_task(view, ranks, **options)

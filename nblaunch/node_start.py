@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nblaunch.errors import LaunchError
-from nblaunch.options import START_NODES
 from nblaunch.relay import open_private
 from nblaunch.trust import SECRET_ENV
 
@@ -85,34 +84,6 @@ class NodeStarter:
                     join.process.wait(5.0)
 
 
-def check_start_nodes(start_nodes: str | None, hostfile: str | os.PathLike[str] | None) -> None:
-    """Refuse a bad ``start_nodes``/``hostfile`` pair before anything starts.
-
-    Raises
-    ------
-    LaunchError
-        Naming the problem and the fix.
-    """
-    if start_nodes is None:
-        if hostfile is not None:
-            raise LaunchError("hostfile= is for start_nodes='ssh'; pass that too")
-        return
-    if start_nodes not in START_NODES:
-        raise LaunchError(
-            f"start_nodes={start_nodes!r} is not one of {', '.join(START_NODES)} (or None: "
-            "start the printed join command yourself)"
-        )
-    if start_nodes == "ssh" and hostfile is None:
-        raise LaunchError(
-            "start_nodes='ssh' needs hostfile=: a file naming the other machines, one per line"
-        )
-    if start_nodes == "srun" and not os.environ.get("SLURM_JOB_ID"):
-        raise LaunchError(
-            "start_nodes='srun' works inside a Slurm allocation (SLURM_JOB_ID is not set): run "
-            "Jupyter inside salloc or sbatch, or use start_nodes='ssh' with a hostfile"
-        )
-
-
 def start_joins(
     start_nodes: str,
     *,
@@ -130,7 +101,6 @@ def start_joins(
     LaunchError
         Too few hosts, a host ssh cannot reach without a prompt, no ``srun``/``ssh`` on PATH.
     """
-    check_start_nodes(start_nodes, hostfile)
     join = [sys.executable, "-m", "nblaunch", "join", endpoint, "--run-id", run_id]
     starter = NodeStarter(start_nodes)
     if start_nodes == "srun":

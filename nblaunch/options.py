@@ -1,12 +1,20 @@
-"""The choices every front end offers, in one table, and the environment switches.
+"""The choices every front end offers, in one table; the options of a launch, checked once;
+and the environment switches.
 
-The Python API, ``%%distributed``, ``%dist``, the pool and the command line all validate and
-document their choices from here, so a new start method or device type is added once.
+The Python API, ``%%distributed``, ``%dist``, the pool and the command line build one
+:class:`LaunchOptions` (and a :class:`NodeOptions` for several machines) from their own
+arguments; it is checked when made and passed whole to the plan, so a new option or choice is
+added here once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+import socket
+
+from nblaunch.errors import LaunchError
 
 # How ranks are started (see nblaunch.supervisor): the first is the default.
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -20,6 +28,12 @@ DISPLAY_MODES = ("auto", "widget", "text", "none")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Default hang_timeout: how long nothing may move while ranks wait in collectives.
 DEFAULT_HANG_TIMEOUT_S = 300.0
+# Where the other nodes join when the caller gives no port (torchrun's default).
+DEFAULT_RDZV_PORT = 29400
+# torch's own default for the join timeout of the c10d rendezvous.
+DEFAULT_RDZV_TIMEOUT_S = 600.0
+# A run id chosen by the caller (rdzv_id=): it names store keys and a file, so plain characters.
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 TRUE_VALUES = ("1", "true", "yes", "on")
 # What Accelerate (accelerate.utils.str_to_bool) reads as false.
@@ -39,3 +53,122 @@ def env_off(name: str) -> bool:
 def debug_from_env() -> bool:
     """Debug mode from ``NBLAUNCH_DEBUG`` (or Accelerate's ``ACCELERATE_DEBUG_MODE``)."""
     return env_flag("NBLAUNCH_DEBUG", "ACCELERATE_DEBUG_MODE")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """How ranks are started and watched, whatever front end asked (see
+    :func:`~nblaunch.notebook_launcher` for each field). Checked when made.
+
+    Raises
+    ------
+    LaunchError
+        Naming the bad option and what to pass instead.
+    """
+
+    start_method: str = "forkserver"
+    debug: bool | None = None  # None: NBLAUNCH_DEBUG (or ACCELERATE_DEBUG_MODE) decides
+    log_level: str | None = None
+    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S
+    timeout: float | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    setup_process_group: bool = True
+    device_type: str | None = None
+    run_dir: str | os.PathLike[str] | None = None
+    debug_on_error: bool = False
+
+    def __post_init__(self) -> None:
+        if self.start_method not in START_METHODS:
+            raise LaunchError(
+                f"start_method={self.start_method!r} is not one of {', '.join(START_METHODS)}; "
+                "the default 'forkserver' is the fast and safe choice"
+            )
+        if self.device_type is not None and self.device_type not in DEVICE_TYPES:
+            raise LaunchError(
+                f"device_type={self.device_type!r} is not one of {', '.join(DEVICE_TYPES)}"
+            )
+        for name in ("timeout", "hang_timeout"):
+            value = getattr(self, name)
+            if value is not None and not _positive_number(value):
+                raise LaunchError(
+                    f"{name} must be a positive number of seconds or None, got {value!r}"
+                )
+
+    def replace(self, **changes: object) -> LaunchOptions:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeOptions:
+    """Where and how several machines meet (see :func:`~nblaunch.notebook_launcher`'s
+    ``num_nodes``, ``rdzv_*``, ``start_nodes`` and ``hostfile``). Checked when made.
+
+    Raises
+    ------
+    LaunchError
+        Naming the bad option and what to pass instead.
+    """
+
+    num_nodes: int
+    rdzv_endpoint: str | None
+    rdzv_timeout: float | None = None  # None: DEFAULT_RDZV_TIMEOUT_S
+    rdzv_id: str | None = None
+    start_nodes: str | None = None
+    hostfile: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        num_nodes = self.num_nodes
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+            raise LaunchError(
+                f"num_nodes must be a whole number of machines >= 1, got {num_nodes!r}"
+            )
+        if self.rdzv_endpoint is None:
+            raise LaunchError(
+                f"num_nodes={num_nodes} needs rdzv_endpoint='host:port': an address of this "
+                "machine that the other nodes can reach, e.g. "
+                f"rdzv_endpoint='{socket.gethostname()}:{DEFAULT_RDZV_PORT}'"
+            )
+        if self.rdzv_timeout is None:
+            object.__setattr__(self, "rdzv_timeout", DEFAULT_RDZV_TIMEOUT_S)
+        if not _positive_number(self.rdzv_timeout):
+            raise LaunchError(
+                f"rdzv_timeout must be a positive number of seconds, got {self.rdzv_timeout!r}"
+            )
+        if self.rdzv_id is not None and not (
+            isinstance(self.rdzv_id, str) and RUN_ID.match(self.rdzv_id)
+        ):
+            raise LaunchError(
+                f"rdzv_id={self.rdzv_id!r}: a run id is 1 to 64 letters, digits, '.', '_' or "
+                "'-', starting with a letter or digit"
+            )
+        self._check_start_nodes()
+
+    def _check_start_nodes(self) -> None:
+        if self.start_nodes is None:
+            if self.hostfile is not None:
+                raise LaunchError("hostfile= is for start_nodes='ssh'; pass that too")
+            return
+        if self.start_nodes not in START_NODES:
+            raise LaunchError(
+                f"start_nodes={self.start_nodes!r} is not one of {', '.join(START_NODES)} (or "
+                "None: start the printed join command yourself)"
+            )
+        if self.start_nodes == "ssh" and self.hostfile is None:
+            raise LaunchError(
+                "start_nodes='ssh' needs hostfile=: a file naming the other machines, one per line"
+            )
+        if self.start_nodes == "srun" and not os.environ.get("SLURM_JOB_ID"):
+            raise LaunchError(
+                "start_nodes='srun' works inside a Slurm allocation (SLURM_JOB_ID is not set): "
+                "run Jupyter inside salloc or sbatch, or use start_nodes='ssh' with a hostfile"
+            )
+
+    def replace(self, **changes: object) -> NodeOptions:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _positive_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0

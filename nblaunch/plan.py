@@ -23,7 +23,7 @@ from typing import Any
 from nblaunch import process_groups
 from nblaunch.errors import LaunchError
 from nblaunch.events import RunInfo, Setup
-from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DEVICE_TYPES, FALSE_VALUES, debug_from_env
+from nblaunch.options import DEVICE_TYPES, FALSE_VALUES, LaunchOptions, debug_from_env
 from nblaunch.supervisor import check_start_method
 from nblaunch.worker import SETUP
 
@@ -140,22 +140,10 @@ class LaunchPlan:
 
 
 def plan_launch(
-    function: Any,
-    num_processes: int | None,
-    *,
-    start_method: str = "forkserver",
-    debug: bool | None = None,
-    log_level: str | None = None,
-    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
-    timeout: float | None = None,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
-    setup_process_group: bool = True,
-    device_type: str | None = None,
-    run_dir: str | os.PathLike[str] | None = None,
-    debug_on_error: bool = False,
+    function: Any, num_processes: int | None, options: LaunchOptions | None = None
 ) -> LaunchPlan:
-    """Check the arguments and decide devices, backend, port and run directory.
+    """Decide devices, backend, port and run directory for ``function`` on ``num_processes``
+    ranks with ``options`` (already checked when made).
 
     Raises
     ------
@@ -166,14 +154,10 @@ def plan_launch(
         raise LaunchError(
             f"function must be callable, got {type(function).__name__} {function!r:.80}"
         )
-    check_start_method(start_method)
-    for name, value in (("timeout", timeout), ("hang_timeout", hang_timeout)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-        ):
-            raise LaunchError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    options = options or LaunchOptions()
+    check_start_method(options.start_method)
     warnings: list[str] = []
-    device_type, device_count, device_kind = detect_devices(device_type)
+    device_type, device_count, device_kind = detect_devices(options.device_type)
     if num_processes is None:
         if device_type == "cpu":
             num_processes = 1
@@ -202,28 +186,28 @@ def plan_launch(
 
     warnings += launch_warnings(device_type, num_processes)  # old kernel, mixed GPUs
     notes = _cpu_library_notes(device_type, num_processes, warnings)
-    port = choose_port(master_addr, master_port)
+    port = choose_port(options.master_addr, options.master_port)
     backend = {"cuda": "nccl", "cpu": "gloo", "xla": "xla"}[device_type]
     return LaunchPlan(
         world_size=num_processes,
         device_type=device_type,
         backend=backend,
-        start_method=start_method,
-        master_addr=master_addr,
+        start_method=options.start_method,
+        master_addr=options.master_addr,
         master_port=port,
-        debug=debug_from_env() if debug is None else bool(debug),
-        init_process_group=bool(setup_process_group),
-        timeout=timeout,
-        hang_timeout=hang_timeout,
-        log_level=log_level
+        debug=debug_from_env() if options.debug is None else bool(options.debug),
+        init_process_group=bool(options.setup_process_group),
+        timeout=options.timeout,
+        hang_timeout=options.hang_timeout,
+        log_level=options.log_level
         or os.environ.get("NBLAUNCH_LOG_LEVEL")
         or os.environ.get("ACCELERATE_LOG_LEVEL"),
-        run_dir=_new_run_dir(run_dir),
+        run_dir=_new_run_dir(options.run_dir),
         device_kind=device_kind,
         warnings=warnings,
         notes=notes,
         # nblaunch.debugger reads it in the ranks (kept out of the options when off).
-        options={"debug_on_error": True} if debug_on_error else {},
+        options={"debug_on_error": True} if options.debug_on_error else {},
     )
 
 

@@ -44,6 +44,8 @@ from nblaunch.options import (
     DISPLAY_MODES,
     START_METHODS,
     START_NODES,
+    LaunchOptions,
+    NodeOptions,
 )
 from nblaunch.plan import plan_launch, serialize_payload
 from nblaunch.run import Run
@@ -207,27 +209,22 @@ class Pool:
         hostfile: str | os.PathLike[str] | None = None,
     ) -> None:
         self.num_processes = num_processes
-        self.options: dict[str, Any] = {
-            "start_method": start_method,
-            "debug": debug,
-            "log_level": log_level,
-            "hang_timeout": hang_timeout,
-            "master_addr": master_addr,
-            "master_port": master_port,
-            "device_type": device_type,
-            "run_dir": run_dir,
-        }
+        self.options = LaunchOptions(
+            start_method=start_method,
+            debug=debug,
+            log_level=log_level,
+            hang_timeout=hang_timeout,
+            master_addr=master_addr,
+            master_port=master_port,
+            device_type=device_type,
+            run_dir=run_dir,
+        )
         # A pool on several machines (None: this one only).
-        self.nodes: dict[str, Any] | None = None
+        self.nodes: NodeOptions | None = None
         if num_nodes is not None:
-            self.nodes = {
-                "num_nodes": num_nodes,
-                "rdzv_endpoint": rdzv_endpoint,
-                "rdzv_timeout": rdzv_timeout,
-                "rdzv_id": rdzv_id,
-                "start_nodes": start_nodes,
-                "hostfile": hostfile,
-            }
+            self.nodes = NodeOptions(
+                num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile
+            )
         # A multi-node pool's secret, kept so the nodes' joins stay valid across restarts, and
         # the join commands it started itself (start_nodes), which rejoin every restart.
         self._secret: Any = None
@@ -271,7 +268,7 @@ class Pool:
         if self.display not in DISPLAY_MODES:
             raise LaunchError(f"display={self.display!r} is not one of {', '.join(DISPLAY_MODES)}")
         if self.nodes is None:
-            plan = plan_launch(_pool_task, self.num_processes, **self.options)
+            plan = plan_launch(_pool_task, self.num_processes, self.options)
         else:
             plan = self._plan_nodes()
         self.state = PoolState.STARTING
@@ -310,11 +307,11 @@ class Pool:
         The other nodes of a multi-node pool join the new start by themselves; ``num_nodes``
         changes how many take part (after a node was lost, the nodes that remain).
         """
-        self._close(rejoin=True)
         if num_nodes is not None:
             if self.nodes is None:
                 raise LaunchError("num_nodes: this pool runs on this machine only")
-            self.nodes["num_nodes"] = num_nodes
+            self.nodes = self.nodes.replace(num_nodes=num_nodes)  # checked before closing
+        self._close(rejoin=True)
         self.restarts += 1
         return self.start()
 
@@ -517,7 +514,7 @@ class Pool:
             view,
             task_ranks,
             timeout=timeout,
-            hang_timeout=self.options["hang_timeout"] if hang_timeout is None else hang_timeout,
+            hang_timeout=self.options.hang_timeout if hang_timeout is None else hang_timeout,
             monitors=[guard],
         )
         self._task_id += 1
@@ -648,17 +645,11 @@ class Pool:
     def _plan_nodes(self) -> Any:
         """The plan of this node of a multi-node pool (node 0)."""
         from nblaunch import multinode  # not at import: ~10 ms
-        from nblaunch.node_start import check_start_nodes
 
         assert self.nodes is not None
-        options = {k: v for k, v in self.options.items() if k not in ("master_addr", "master_port")}
-        nodes = {k: v for k, v in self.nodes.items() if k not in ("start_nodes", "hostfile")}
-        check_start_nodes(self.nodes["start_nodes"], self.nodes["hostfile"])
-        plan, self._rdzv_timeout = multinode.plan_nodes(
-            _pool_task, self.num_processes, pool=True, **nodes, **options
-        )
+        plan = multinode.plan_nodes(_pool_task, self.num_processes, self.options, self.nodes, True)
         # Restarts keep the run id (and the secret): the nodes' join commands stay valid.
-        self.nodes["rdzv_id"] = plan.rdzv_run_id
+        self.nodes = self.nodes.replace(rdzv_id=plan.rdzv_run_id)
         return plan
 
     def _new_run(self, plan: Any) -> Run:
@@ -670,10 +661,10 @@ class Pool:
         head = multinode.Head(plan, NullView(), secret=self._secret)
         self._secret = head.secret
         try:
-            if self.nodes["start_nodes"] and self._starter is None:
-                self._starter = head.start_joins(self.nodes["start_nodes"], self.nodes["hostfile"])
+            if self.nodes.start_nodes and self._starter is None:
+                self._starter = head.start_joins(self.nodes.start_nodes, self.nodes.hostfile)
             with multinode.signal_handlers_kept():
-                head.rendezvous(None, self._rdzv_timeout, self._starter)
+                head.rendezvous(None, self.nodes.rdzv_timeout, self._starter)
         except BaseException:
             head.close()
             self._end_joins()
@@ -1084,7 +1075,7 @@ def dist_start(line: str) -> None:
         pool = start_pool(options.pop("num_processes", None), display="auto", **options)
     except LaunchError as exc:
         raise _usage_error(exc) from None
-    nodes = f" on {pool.nodes['num_nodes']} nodes" if pool.nodes else ""
+    nodes = f" on {pool.nodes.num_nodes} nodes" if pool.nodes else ""
     print(
         f"nblaunch pool: {pool.world_size} rank(s){nodes} ready in {pool.start_s:.1f} s "
         f"(pids {', '.join(map(str, pool.pids))}). %%distributed cells now run on it and keep "
@@ -1119,13 +1110,13 @@ def dist_restart(line: str) -> None:
     node_options = {k: options.pop(k) for k in NODE_OPTIONS if k in options}
     if node_options and pool.nodes is None:
         raise UsageError(
-            "%dist restart: --rdzv-endpoint, --rdzv-timeout and --run-id are for "
-            "a pool started with --nodes"
+            "%dist restart: --rdzv-endpoint, --rdzv-timeout, --run-id, --start-nodes and "
+            "--hostfile are for a pool started with --nodes"
         )
-    pool.options.update(options)
     try:
+        pool.options = pool.options.replace(**options)
         if pool.nodes is not None:
-            pool.nodes.update(node_options)
+            pool.nodes = pool.nodes.replace(**node_options)
         pool.restart(num_nodes=num_nodes)
     except LaunchError as exc:
         raise _usage_error(exc) from None

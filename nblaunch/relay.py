@@ -30,7 +30,7 @@ import re
 import selectors
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from nblaunch.events import Event, EventSink, Log, Stream
 from nblaunch.logging import InOrderLog
@@ -50,6 +50,19 @@ PROGRESS_END_S = 0.02
 _CLEARED = re.compile(rb"\r[ \t]*\r")
 # The "stream" a rank's log records are written as in its log file (1 and 2 are its fds).
 _LOG_SOURCE = 0
+
+
+class EventSource(Protocol):
+    """Events from elsewhere than this machine's pipes, e.g. another node's ranks
+    (:class:`nblaunch.multinode.RemoteNodes`)."""
+
+    def pull(self, relay: Relay) -> list[dict[str, Any]]:
+        """Hand what arrived to ``relay.accept``; return the records the run must act on."""
+        ...
+
+    def drain(self, relay: Relay) -> None:
+        """The run is ending: wait (bounded) for what is still on its way."""
+        ...
 
 
 class Relay:
@@ -85,6 +98,8 @@ class Relay:
         self._logs_flushed = 0.0
         # in_order log records are lined up by (seq, rank) before the view sees them
         self.in_order = InOrderLog()
+        # Where else events come from (another node's ranks, through the rendezvous store).
+        self.sources: list[EventSource] = []
         if run_dir is not None:
             run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for rank in ranks:
@@ -97,9 +112,34 @@ class Relay:
         self._selector.register(rank.conn.fileno(), selectors.EVENT_READ, (rank.rank, 0))
         self._conns[rank.rank] = rank
         self.in_order.add_rank(rank.rank)
-        self.tails.setdefault(rank.rank, collections.deque(maxlen=TAIL_LINES))
-        if self.run_dir is not None and rank.rank not in self._logs:
-            self._logs[rank.rank] = open_private(self.run_dir / f"rank{rank.rank}.log", "ab")
+        self._open_rank(rank.rank)
+
+    def _open_rank(self, rank: int) -> None:
+        self.tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
+        if self.run_dir is not None and rank not in self._logs:
+            self._logs[rank] = open_private(self.run_dir / f"rank{rank}.log", "ab")
+
+    def add_source(self, source: EventSource) -> None:
+        """Also pass on what ``source`` brings (see :class:`EventSource`) at every poll."""
+        self.sources.append(source)
+
+    def accept(self, event: dict[str, Any]) -> bool:
+        """Take a record that came another way than this machine's pipes (another node's rank):
+        log it and show it as if read here. True when the run must act on it (not a line)."""
+        rank = event.get("rank")
+        if rank is None:  # not about one rank
+            self.sink.handle(event)
+            return True
+        self._open_rank(rank)
+        if event["kind"] == "stream":
+            self.last_output[rank] = time.time()
+            if not event["carriage"]:
+                self.tails[rank].append(event["text"])
+            self._log_text(rank, event["text"] + "\n")
+            self.sink.handle(event)
+            return False
+        self._take_event(rank, event)
+        return True
 
     def remove(self, rank: RankProcess) -> None:
         """Stop reading a rank process's pipes (it was replaced by a restarted one)."""
@@ -127,6 +167,8 @@ class Relay:
         returned, so the launcher can act on results and failures.
         """
         received = self._dispatch(self._selector.select(timeout))
+        for source in self.sources:
+            received.extend(source.pull(self))
         for ready in self.in_order.poll():
             self.sink.handle(ready)
         self._flush()
@@ -153,6 +195,8 @@ class Relay:
         deadline = time.monotonic() + timeout
         while self._selector.get_map() and time.monotonic() < deadline:
             self._dispatch(self._selector.select(max(0.0, deadline - time.monotonic())))
+        for source in self.sources:
+            source.drain(self)
         self._end_partial_lines()
 
     def drain_ready(self, limit_s: float = 0.5) -> list[dict[str, Any]]:
@@ -257,18 +301,22 @@ class Relay:
             while process.conn.poll():
                 event = process.conn.recv()
                 received.append(event)
-                if event["kind"] == "log":
-                    self._end_progress(rank)  # a record is the rank's next output
-                    self._log_text(rank, log_line(event))
-                elif event["kind"] == "metrics":
-                    self.write_metrics(event)
-                for ready in self.in_order.feed(event):
-                    self.sink.handle(ready)
+                self._take_event(rank, event)
         except (EOFError, OSError):
             process.events_open = False
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(fileno)
         return received
+
+    def _take_event(self, rank: int, event: dict[str, Any]) -> None:
+        """Log a rank's record, and pass it on (in-order records once their turn comes)."""
+        if event["kind"] == "log":
+            self._end_progress(rank)  # a record is the rank's next output
+            self._log_text(rank, log_line(event))
+        elif event["kind"] == "metrics":
+            self.write_metrics(event)
+        for ready in self.in_order.feed(event):
+            self.sink.handle(ready)
 
     def _read_pipe(self, rank: int, fd: int, fileno: int) -> bytes:
         """What one output pipe holds (b"" at its end, which ends its unfinished line)."""

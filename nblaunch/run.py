@@ -14,9 +14,9 @@ import signal
 import time
 from typing import Any
 
-from nblaunch import debugger, spares, verdict
+from nblaunch import spares, verdict
 from nblaunch.errors import LaunchError
-from nblaunch.events import Event, EventSink, NullView, RunState, Task, diagnosis
+from nblaunch.events import Event, EventSink, NullView, RunState, Task
 from nblaunch.features import Monitor, parent_monitors
 from nblaunch.plan import LaunchPlan, choose_port
 from nblaunch.relay import Relay
@@ -28,8 +28,9 @@ from nblaunch.worker import STOP
 STOP_GRACE_S = 2.0
 # How long the other ranks get to stop once a root cause (a failure, a death, a hang) is known.
 KNOWN_CAUSE_GRACE_S = 0.5
-# After a rank leaves the debugger, how long its peers get to move before the monitors judge.
-DEBUG_RESUME_S = 3.0
+# After a pause (a rank left the debugger), how long its peers get to move before the monitors
+# judge again.
+RESUME_GRACE_S = 3.0
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -46,6 +47,10 @@ class Run:
         Where events go (widget, text, none).
     """
 
+    # Whether a monitor may have every rank stopped and started again (a batch-size restart):
+    # only ranks this machine started can be; otherwise the request's own exception is raised.
+    restarts_ranks = True
+
     def __init__(self, plan: LaunchPlan, view: EventSink) -> None:
         self.plan = plan
         self.view = view
@@ -56,10 +61,11 @@ class Run:
         self.states: dict[int, RunState] = {}
         self.monitors = parent_monitors(plan)
         self.task_ranks: list[int] = list(range(plan.world_size))  # the ranks running a task
-        # Ranks waiting in the debugger, since when; and the time spent there so far.
-        self.debugging: dict[int, float] = {}
-        self.debug_paused_s = 0.0
-        self._debug_ended_at = float("-inf")
+        self.announced = False  # the run's header was shown
+        # Who stopped the clocks (see pause), since when; the time they stood still so far.
+        self._paused: dict[object, float] = {}
+        self._paused_s = 0.0
+        self._resumed_at = float("-inf")
 
     def execute(self, payload: bytes) -> list[Any]:
         """Run the payload on every rank and return the results, or raise the root cause."""
@@ -82,12 +88,14 @@ class Run:
         return self.conclude()
 
     def start(self) -> None:
-        """Start the ranks, open the relay, announce the run and send every rank its setup."""
+        """Start this machine's ranks (each gets its set-up as it starts), open the relay and
+        announce the run (unless a front end did already)."""
         self._start_processes()
         self.relay = Relay(self.supervisor.ranks, self.view, self.plan.run_dir)
-        self.announce()
-        for rank in self.supervisor.ranks:
-            self.set_state(rank.rank, RunState.STARTING)
+        if not self.announced:
+            self.announce()
+        for rank in range(self.plan.world_size):
+            self.set_state(rank, RunState.STARTING)
 
     def _start_processes(self) -> None:
         # GPU ranks wait for an earlier run's ranks to be gone: their device memory comes first.
@@ -100,6 +108,7 @@ class Run:
 
     def announce(self, warnings: list[str] | None = None, notes: list[str] | None = None) -> None:
         """Publish the run's header (``RunInfo``); a pool sends one per task, to each new view."""
+        self.announced = True
         self.publish(self.plan.run_info(self.started_at, warnings, notes))
 
     def await_started(self, limit_s: float) -> None:
@@ -151,8 +160,8 @@ class Run:
         self.states = {}
         self.started_at = time.time()
         self.monitors = [*monitors, *parent_monitors(self.plan)]
-        self.debugging.clear()
-        self.debug_paused_s = 0.0
+        self._paused.clear()
+        self._paused_s = 0.0
 
     def hang_up(self, limit_s: float) -> None:
         """Ask every rank to stop after its task and read what they say until each closed its
@@ -225,7 +234,7 @@ class Run:
             self.pump(0.05)
             if self._all_returned():
                 return
-            for monitor in [] if self._debugger_pauses() else self.monitors:
+            for monitor in [] if self._monitors_paused() else self.monitors:
                 root = monitor.check(self)
                 if root is not None:
                     outcome.root = root
@@ -234,72 +243,45 @@ class Run:
             if root is not None:
                 outcome.root = root
                 return
-            if deadline is not None and time.monotonic() - self._debugged_s() > deadline:
+            if deadline is not None and time.monotonic() - self._time_paused() > deadline:
                 self._on_timeout()
                 return
 
-    def _debugger_pauses(self) -> bool:
-        """While a rank is in the debugger (and briefly after) its peers wait for it: no
-        monitor may take that for a hang."""
-        return bool(self.debugging) or time.monotonic() - self._debug_ended_at < DEBUG_RESUME_S
+    # --- for features: pauses, a rank's pipe, the view ------------------------------------------
 
-    def _debugged_s(self) -> float:
-        """Time ranks spent in the debugger during this task (``timeout=`` does not count it)."""
-        now = time.monotonic()
-        return self.debug_paused_s + (now - min(self.debugging.values()) if self.debugging else 0)
+    def pause(self, key: object) -> None:
+        """Stop the clocks while ``key`` (a rank in the debugger) waits for the person: its
+        peers wait for it, which no monitor may take for a hang, and ``timeout=`` does not
+        count the time."""
+        self._paused.setdefault(key, time.monotonic())
 
-    def _on_debugger(self, event: dict[str, Any]) -> None:
-        """A rank's debugger waits for a command: ask the person, send the answer down."""
-        rank = event["rank"]
-        process = next((p for p in self.supervisor.ranks if p.rank == rank), None)
-        if process is None:  # a rank on another node: its pipe is not ours
-            self.publish(
-                diagnosis(
-                    f"breakpoint() on rank {rank} (another node) cannot be answered here",
-                    "Debug ranks of this machine, or run the code on one node.",
-                    "warning",
-                    rank,
-                )
-            )
-            return
-        if rank not in self.debugging:
-            self.debugging[rank] = time.monotonic()
-            self.set_state(rank, RunState.DEBUGGING, "waiting for your command (c continues)")
-            self._say_waiting(self._waiting_detail())
-            self.view.flush(force=True)  # the badges show before the prompt blocks this thread
-        line = debugger.ask(rank, event["output"], event["prompt"])
-        self.supervisor.send(process, {"kind": "debug_input", "line": line})
-
-    def _on_debugger_left(self, event: dict[str, Any]) -> None:
-        rank = event["rank"]
-        if event.get("output"):
-            print(event["output"], end="", flush=True)
-        since = self.debugging.pop(rank, None)
+    def resume(self, key: object) -> None:
+        """Start the clocks again; monitors judge again ``RESUME_GRACE_S`` later."""
+        since = self._paused.pop(key, None)
         if since is not None:
-            self.debug_paused_s += time.monotonic() - since
-            self._debug_ended_at = time.monotonic()
-            self.set_state(rank, RunState.RUNNING)
-            if not self.debugging:
-                self._say_waiting("")
+            self._paused_s += time.monotonic() - since
+            self._resumed_at = time.monotonic()
 
-    def _waiting_detail(self) -> str:
-        """What a rank not in the debugger does while another is (empty when none is)."""
-        if not self.debugging:
-            return ""
-        return f"waiting for rank {min(self.debugging)} (in the debugger)"
+    def _monitors_paused(self) -> bool:
+        return bool(self._paused) or time.monotonic() - self._resumed_at < RESUME_GRACE_S
 
-    def _say_waiting(self, detail: str) -> None:
-        """The other running ranks' badges: waiting for a rank in the debugger, or not.
+    def _time_paused(self) -> float:
+        """Time the clocks stood still during this task."""
+        now = time.monotonic()
+        return self._paused_s + (now - min(self._paused.values()) if self._paused else 0.0)
 
-        A rank still starting is counted too: a rank in its user code has joined the process
-        group with all of them, and their own "started" may be read only after the prompt.
-        """
-        for rank in self.task_ranks:
-            state = self.states.get(rank)
-            if state in (RunState.RUNNING, RunState.STARTING) and rank not in self.debugging:
-                self.publish(
-                    {"kind": "state", "rank": rank, "state": RunState.RUNNING, "detail": detail}
-                )
+    def runs_here(self, rank: int) -> bool:
+        """True when ``rank`` is a process of this machine (not another node's)."""
+        return any(process.rank == rank for process in self.supervisor.ranks)
+
+    def send_to_rank(self, rank: int, message: dict[str, Any]) -> bool:
+        """Send a message down a rank's pipe; False when it is not here or has gone."""
+        process = next((p for p in self.supervisor.ranks if p.rank == rank), None)
+        return process is not None and self.supervisor.send(process, message)
+
+    def show_now(self) -> None:
+        """Render the view at once (before something blocks this thread)."""
+        self.view.flush(force=True)
 
     def on_event(self, event: dict[str, Any]) -> None:
         for monitor in self.monitors:
@@ -307,17 +289,13 @@ class Run:
         kind = event["kind"]
         rank = event.get("rank")
         if kind == "started":
-            self.set_state(rank, RunState.RUNNING, self._waiting_detail())
+            self.set_state(rank, RunState.RUNNING)
         elif kind == "result":
             self.outcome.results[rank] = event["value_bytes"]
         elif kind == "failure":
             failure = RootCause.from_failure(event, received_at=time.monotonic())
             self.outcome.failures.append(failure)
             self.set_state(rank, RunState.FAILED, failure.outcome_words()[:200])
-        elif kind == "debug":
-            self._on_debugger(event)
-        elif kind == "debug_end":
-            self._on_debugger_left(event)
         elif kind == "finished":
             self.outcome.finished.add(rank)
             if rank in self.outcome.results:
@@ -331,11 +309,7 @@ class Run:
 
     def _restart_requested(self) -> bool:
         root = self.outcome.root
-        # Only ranks this node started itself can be started again (not a multi-node run's);
-        # otherwise the request's own exception is raised.
-        return (
-            root is not None and root.cause is Cause.RESTART and type(self.supervisor) is Supervisor
-        )
+        return root is not None and root.cause is Cause.RESTART and self.restarts_ranks
 
     def _restart(self, payload: bytes) -> None:
         """Stop every rank and start them again with the setup options a monitor asked for.

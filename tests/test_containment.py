@@ -23,6 +23,7 @@ from conftest import rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
+from nblaunch.options import LaunchOptions
 from nblaunch.plan import plan_launch
 
 
@@ -240,7 +241,7 @@ def test_too_many_cpu_ranks_are_refused_with_the_limit_and_the_way_past_it(monke
     assert "NBLAUNCH_MAX_PROCESSES=10000" in message
     assert not rank_children()
     monkeypatch.setenv("NBLAUNCH_MAX_PROCESSES", "10000")
-    plan = plan_launch(lambda: None, num_processes=10_000, device_type="cpu", run_dir=None)
+    plan = plan_launch(lambda: None, 10_000, LaunchOptions(device_type="cpu"))
     assert plan.world_size == 10_000  # allowed, with the usual oversubscription warning
     assert any("share cores" in warning for warning in plan.warnings)
 

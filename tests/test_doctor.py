@@ -11,6 +11,7 @@ import pytest
 
 from nblaunch import doctor
 from nblaunch.doctor import Accelerator
+from nblaunch.options import LaunchOptions
 from nblaunch.plan import plan_launch
 
 GIB = 1 << 30
@@ -97,7 +98,7 @@ def test_kernel_warning(system, release, warns):
 def test_plan_launch_carries_the_kernel_warning(monkeypatch):
     monkeypatch.setattr(platform, "release", lambda: "4.4.0")
     monkeypatch.setattr(platform, "system", lambda: "Linux")
-    plan = plan_launch(print, 2, device_type="cpu")
+    plan = plan_launch(print, 2, LaunchOptions(device_type="cpu"))
     assert any("Linux kernel 4.4.0 is older than 5.5" in w for w in plan.warnings)
 
 

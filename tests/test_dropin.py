@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nblaunch
 from nblaunch import notebook_launcher
+from nblaunch.options import LaunchOptions
 from nblaunch.plan import plan_launch
 
 
@@ -202,14 +203,14 @@ def test_a_torchrun_script_that_makes_and_destroys_its_group_runs_with_nblaunch_
 
 def test_cpu_ranks_tell_accelerate_to_use_the_cpu_unless_the_caller_said_otherwise(monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
-    plan = plan_launch(print, 2, device_type="cpu")
+    plan = plan_launch(print, 2, LaunchOptions(device_type="cpu"))
     assert plan.rank_env(1)["ACCELERATE_USE_CPU"] == "1"
     assert plan.notes == [
         "CPU ranks: ACCELERATE_USE_CPU=1 set so Accelerate and Transformers run distributed "
         "on all 2 ranks"
     ]
     monkeypatch.setenv("ACCELERATE_USE_CPU", "no")
-    plan = plan_launch(print, 2, device_type="cpu")
+    plan = plan_launch(print, 2, LaunchOptions(device_type="cpu"))
     assert plan.rank_env(1)["ACCELERATE_USE_CPU"] == "no" and plan.notes == []
     assert any("ACCELERATE_USE_CPU=no is set" in w for w in plan.warnings)
 

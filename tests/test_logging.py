@@ -11,6 +11,7 @@ import pytest
 
 from nblaunch import get_logger, notebook_launcher
 from nblaunch.logging import InOrderLog, RankLogger
+from nblaunch.options import LaunchOptions
 from nblaunch.plan import plan_launch, serialize_payload
 from nblaunch.run import Run
 from nblaunch.widgets import RecordingView
@@ -30,7 +31,7 @@ class Recorder(RecordingView):
 def launch(function, n=2, **kwargs):
     """Launch on CPU ranks; return (results, the Log events the view got, as text lines)."""
     kwargs.setdefault("timeout", 60)  # a deadlock fails the test instead of hanging it
-    plan = plan_launch(function, n, device_type="cpu", **kwargs)
+    plan = plan_launch(function, n, LaunchOptions(device_type="cpu", **kwargs))
     recorder = Recorder()
     results = Run(plan, recorder).execute(serialize_payload(function))
     return results, recorder.logs()
@@ -439,7 +440,7 @@ def test_a_rank_past_the_next_collective_is_not_waited_for():
             time.sleep(4)  # ...and keeps busy: its heartbeats say it is past that point
         return rank
 
-    plan = plan_launch(work, 2, device_type="cpu", timeout=60)
+    plan = plan_launch(work, 2, LaunchOptions(device_type="cpu", timeout=60))
     recorder = TimedRecorder()
     assert Run(plan, recorder).execute(serialize_payload(work)) == [0, 1]
     assert recorder.logs() == [

@@ -25,6 +25,7 @@ from nblaunch.memory import (
     render_attempts,
     set_seed,
 )
+from nblaunch.options import LaunchOptions
 from nblaunch.plan import plan_launch, serialize_payload
 from nblaunch.run import Run
 from nblaunch.verdict import Cause, RootCause
@@ -46,7 +47,7 @@ class Recorder(RecordingView):
 
 def launch(function, *args, num_processes=2):
     recorder = Recorder()
-    plan = plan_launch(function, num_processes, device_type="cpu")
+    plan = plan_launch(function, num_processes, LaunchOptions(device_type="cpu"))
     values = Run(plan, recorder).execute(serialize_payload(function, args))
     return values, recorder
 

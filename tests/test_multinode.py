@@ -35,6 +35,7 @@ from nblaunch.multinode import (
     parse_endpoint,
     signal_handlers_kept,
 )
+from nblaunch.options import LaunchOptions, NodeOptions
 
 # The joined node cannot import this test module: send the functions defined here by value, as
 # functions defined in a notebook are.
@@ -131,19 +132,15 @@ class TwoNodes:
         self.joiners.append(joiner)
         return joiner
 
-    def launch(self, function, num_processes=1, **kwargs):
-        kwargs.setdefault("rdzv_timeout", 60)
-        if "view" not in kwargs:
-            kwargs.setdefault("display", "none")
+    def launch(self, function, num_processes=1, *, rdzv_timeout=60, num_nodes=2, view=None):
         return launch_multinode(
             function,
             (),
             num_processes,
-            num_nodes=2,
-            rdzv_endpoint=self.endpoint,
-            device_type="cpu",
-            run_dir=self.run_dir,
-            **kwargs,
+            LaunchOptions(device_type="cpu", run_dir=self.run_dir),
+            NodeOptions(num_nodes, self.endpoint, rdzv_timeout),
+            display="none",
+            view=view,
         )
 
 
@@ -425,17 +422,7 @@ def test_interrupt_while_nodes_gather_closes_the_rendezvous(nodes):
     thread = threading.Thread(target=interrupt_once_a_node_joined, daemon=True)
     thread.start()
     with pytest.raises(KeyboardInterrupt):
-        launch_multinode(
-            print,
-            (),
-            1,
-            num_nodes=3,  # a third node never comes
-            rdzv_endpoint=nodes.endpoint,
-            rdzv_timeout=60,
-            device_type="cpu",
-            run_dir=nodes.run_dir,
-            view=view,
-        )
+        nodes.launch(print, num_nodes=3, view=view)  # a third node never comes
     thread.join(5)
     assert signal.getsignal(signal.SIGINT) is handler_before
     assert joiner.wait(20) == 1, joiner.output()  # told the run was closed, not left waiting

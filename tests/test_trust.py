@@ -243,6 +243,7 @@ def test_run_directories_and_logs_are_private(tmp_path, monkeypatch):
 
 
 def test_old_run_directories_are_pruned_and_nothing_else(tmp_path, monkeypatch):
+    from nblaunch.options import LaunchOptions
     from nblaunch.plan import plan_launch
 
     base = tmp_path / "runs"
@@ -252,6 +253,6 @@ def test_old_run_directories_are_pruned_and_nothing_else(tmp_path, monkeypatch):
     (base / "my-notes").mkdir()  # not nblaunch's: never touched
     monkeypatch.setenv("NBLAUNCH_RUN_DIR", str(base))
     monkeypatch.setenv("NBLAUNCH_KEEP_RUNS", "3")
-    plan = plan_launch(print, num_processes=1, device_type="cpu")
+    plan = plan_launch(print, 1, LaunchOptions(device_type="cpu"))
     left = sorted(p.name for p in base.iterdir())
     assert left == sorted([old[3].name, old[4].name, plan.run_dir.name, "my-notes"])
