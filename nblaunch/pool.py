@@ -114,34 +114,13 @@ def refuse_if_running(what: str) -> None:
         )
 
 
-def start_pool(
-    num_processes: int | None = None,
-    *,
-    start_method: str = "forkserver",
-    debug: bool | None = None,
-    log_level: str | None = None,
-    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
-    device_type: str | None = None,
-    run_dir: str | os.PathLike[str] | None = None,
-    display: str = "auto",
-    num_nodes: int | None = None,
-    rdzv_endpoint: str | None = None,
-    rdzv_timeout: float | None = None,
-    rdzv_id: str | None = None,
-    start_nodes: str | None = None,
-    hostfile: str | os.PathLike[str] | None = None,
-) -> Pool:
+def start_pool(num_processes: int | None = None, **options: Any) -> Pool:
     """Start ``num_processes`` ranks that stay alive until :meth:`Pool.close`.
 
-    The arguments mean what they mean for :func:`~nblaunch.notebook_launcher`; ``display`` is
-    the view every task shows. Use the pool as a context manager to close it on exit.
-
-    With ``num_nodes``, the pool spans that many machines: ``num_processes`` ranks on each,
-    this one first; each other node runs ``python -m nblaunch join`` once (the command is
-    printed), and stays in the pool across its restarts until the pool is closed; or the
-    pool starts them itself with ``start_nodes`` (``"ssh"`` with ``hostfile``, ``"srun"``).
+    ``options`` are :class:`Pool`'s keywords (``start_method``, ``debug``, ``log_level``,
+    ``hang_timeout``, ``device_type``, ``run_dir``, ``display``, ``num_nodes``, ...); they mean
+    what they mean for :func:`~nblaunch.notebook_launcher`. Use the pool as a context manager
+    to close it on exit.
 
     Returns
     -------
@@ -155,25 +134,7 @@ def start_pool(
     Exception
         A rank's own exception when it failed to start (device, process group).
     """
-    pool = Pool(
-        num_processes,
-        start_method=start_method,
-        debug=debug,
-        log_level=log_level,
-        hang_timeout=hang_timeout,
-        master_addr=master_addr,
-        master_port=master_port,
-        device_type=device_type,
-        run_dir=run_dir,
-        display=display,
-        num_nodes=num_nodes,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_timeout=rdzv_timeout,
-        rdzv_id=rdzv_id,
-        start_nodes=start_nodes,
-        hostfile=hostfile,
-    )
-    return pool.start()
+    return Pool(num_processes, **options).start()
 
 
 def _pool_task() -> None:
@@ -184,7 +145,13 @@ class Pool:
     """Ranks that stay alive between tasks, with their namespaces and process group.
 
     Create it with :func:`start_pool` (or ``Pool(...).start()``, or ``with Pool(...) as pool``).
-    Parameters are those of :func:`start_pool`.
+    The parameters mean what they mean for :func:`~nblaunch.notebook_launcher`; ``display`` is
+    the view every task shows.
+
+    With ``num_nodes``, the pool spans that many machines: ``num_processes`` ranks on each,
+    this one first; each other node runs ``python -m nblaunch join`` once (the command is
+    printed), and stays in the pool across its restarts until the pool is closed; or the
+    pool starts them itself with ``start_nodes`` (``"ssh"`` with ``hostfile``, ``"srun"``).
     """
 
     def __init__(
