@@ -483,24 +483,30 @@ register_dist_command(
     _dist_env,
     "[HOSTFILE]  torch, devices, backends and start methods; what to fix first",
 )
-# The persistent pool: "module:attribute" targets, so nblaunch.pool registers no IPython code
-# (it is imported by `import nblaunch`, before this module, and inside every rank).
+# The persistent pool's commands (nblaunch.pool_commands), imported when first used: the pool
+# itself is imported by `import nblaunch`, before this module, and inside every rank.
 register_dist_command(
     "start",
-    "nblaunch.pool:dist_start",
-    "-n N [--debug] [--start-method M]  ranks that keep their state across cells",
-)
-register_dist_command("status", "nblaunch.pool:dist_status", "the pool's ranks, pids, memory")
-register_dist_command("restart", "nblaunch.pool:dist_restart", "fresh ranks, same options")
-register_dist_command("stop", "nblaunch.pool:dist_stop", "stop the pool's ranks")
-register_dist_command(
-    "debug", "nblaunch.pool:dist_debug", "[--rank R]  post-mortem of the last failed cell"
+    "nblaunch.pool_commands:dist_start",
+    "-n N [--debug] [--start-method M] [--nodes N ...]  ranks that keep their state across cells",
 )
 register_dist_command(
-    "pull", "nblaunch.pool:dist_pull", "NAME [--rank R]  a rank's variable, copied to the notebook"
+    "status", "nblaunch.pool_commands:dist_status", "the pool's ranks, pids, memory"
+)
+register_dist_command("restart", "nblaunch.pool_commands:dist_restart", "fresh ranks, same options")
+register_dist_command("stop", "nblaunch.pool_commands:dist_stop", "stop the pool's ranks")
+register_dist_command(
+    "debug", "nblaunch.pool_commands:dist_debug", "[--rank R]  post-mortem of the last failed cell"
 )
 register_dist_command(
-    "push", "nblaunch.pool:dist_push", "NAME [--ranks R]  a notebook variable, sent to the ranks"
+    "pull",
+    "nblaunch.pool_commands:dist_pull",
+    "NAME [--rank R]  a rank's variable, copied to the notebook",
+)
+register_dist_command(
+    "push",
+    "nblaunch.pool_commands:dist_push",
+    "NAME [--ranks R]  a notebook variable, sent to the ranks",
 )
 
 
