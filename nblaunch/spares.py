@@ -85,9 +85,11 @@ def _serve() -> None:
         _wake.wait()
         _wake.clear()
         request, _request = _request, None
-        if request is not None and not _cancel.wait(FORK_DELAY_S):
-            _fork(*request)
-        _idle.set()
+        try:
+            if request is not None and not _cancel.wait(FORK_DELAY_S):
+                _fork(*request)
+        finally:
+            _idle.set()  # whatever happened: a launch waiting for the spares must not hang
 
 
 def _fork(world_size: int, start_method: str) -> None:
