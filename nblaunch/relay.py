@@ -115,7 +115,8 @@ class Relay:
         self._open_rank(rank.rank)
 
     def _open_rank(self, rank: int) -> None:
-        self.tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
+        if rank not in self.tails:  # called for every remote line: make nothing otherwise
+            self.tails[rank] = collections.deque(maxlen=TAIL_LINES)
         if self.run_dir is not None and rank not in self._logs:
             self._logs[rank] = open_private(self.run_dir / f"rank{rank}.log", "ab")
 
