@@ -409,7 +409,7 @@ class NodeRun:
         # A pool's tasks, numbered from 0 at each start: the next to take, the one running.
         self.next_task = 0
         self.task: int | None = None
-        self.interrupted = False
+        self.task_interrupted = False  # the notebook interrupted the running task here
 
     def run(self) -> int:
         plan = self.plan
@@ -501,16 +501,16 @@ class NodeRun:
                 for rank in supervisor.ranks:
                     if rank.rank in ranks:
                         supervisor.send(rank, message)
-                self.task, self.next_task, self.interrupted = (
+                self.task, self.next_task, self.task_interrupted = (
                     self.next_task,
                     self.next_task + 1,
                     False,
                 )
-            if self.task is not None and not self.interrupted:
+            if self.task is not None and not self.task_interrupted:
                 key = self.keys.interrupt(self.task)
                 if self.store.check([key]):
                     ranks = self.secret.open(self.store.get(key), key)
-                    self.interrupted = True
+                    self.task_interrupted = True
                     for rank in supervisor.ranks:
                         if rank.rank in ranks and not rank.ended:
                             signal_pid(rank.pid, signal.SIGINT)
