@@ -614,7 +614,7 @@ class Head:
                     thread.join(0.1)
                     self._take_hellos()
                     self.view.flush()
-                    problem = starter.problem() if starter is not None else None
+                    problem = starter.problem(others) if starter is not None else None
                     if problem is not None:
                         raise LaunchError(f"{problem}. Nothing was started.")
             except BaseException:

@@ -39,11 +39,19 @@ END_WAIT_S = 15.0
 
 @dataclass
 class StartedJoin:
-    """One started command: ``host`` (or "srun"), its process and its log file."""
+    """One started command: ``host`` (or "srun"), its process and its log file, and how it
+    was started (to start it again)."""
 
     host: str
     process: subprocess.Popen
     log: Path
+    command: list[str]
+    stdin: str | None
+    env: dict[str, str] | None
+    fresh: bool = True  # started for the start under way (not kept from a pool's earlier one)
+
+    def start_again(self) -> StartedJoin:
+        return _start(self.host, self.command, self.stdin, self.env, self.log.parent)
 
 
 @dataclass
@@ -60,16 +68,36 @@ class NodeStarter:
         hosts = ", ".join(join.host for join in self.started)
         return f"started join over ssh on {hosts}; output in join-<host>.log beside the rank logs"
 
-    def problem(self) -> str | None:
-        """What went wrong with a command that already ended badly (None: all well so far)."""
+    def problem(self, nodes: int) -> str | None:
+        """What went wrong with a command started for this start that already ended badly
+        (None: all well so far). A command kept from a pool's earlier start that ended since
+        (its node was lost, and it was still on its way out) is started again, while fewer than
+        ``nodes`` run."""
         for join in self.started:
             code = join.process.poll()
-            if code not in (None, 0):
+            if join.fresh and code not in (None, 0):
                 return (
                     f"join on {join.host} ({self.method}) ended with exit code {code}: "
                     f"{_last_line(join.log)} (its output: {join.log})"
                 )
+        if any(not join.fresh and join.process.poll() is not None for join in self.started):
+            self._start_ended_again(nodes)
         return None
+
+    def renew(self, nodes: int) -> None:
+        """Before a pool's next start on ``nodes`` other nodes: the commands still running join
+        it by themselves; as many of those that ended as it needs are started again."""
+        for join in self.started:
+            join.fresh = False
+        self._start_ended_again(nodes)
+
+    def _start_ended_again(self, nodes: int) -> None:
+        running = [join for join in self.started if join.process.poll() is None]
+        ended = [join for join in self.started if join.process.poll() is not None]
+        wanted = min(nodes, 1) if self.method == "srun" else nodes  # one srun starts them all
+        self.started = running + [
+            join.start_again() for join in ended[: max(0, wanted - len(running))]
+        ]
 
     def close(self, wait_s: float = END_WAIT_S) -> None:
         """Wait (bounded) for the commands to end with their run; stop those that do not."""
@@ -168,7 +196,7 @@ def _start(
     env: dict[str, str] | None,
     log_dir: Path | None,
 ) -> StartedJoin:
-    log = (log_dir or Path.cwd()) / f"join-{host}.log"
+    log = (log_dir or Path.cwd()) / f"join-{host}.log"  # appended to when started again
     with open_private(log, "ab") as out:
         # Its own session: the notebook's interrupt is for the notebook, and the command can
         # be stopped with everything it started.
@@ -185,7 +213,7 @@ def _start(
         with contextlib.suppress(OSError):
             process.stdin.write(stdin.encode())
             process.stdin.close()
-    return StartedJoin(host, process, log)
+    return StartedJoin(host, process, log, command, stdin, env)
 
 
 def _tool(name: str, fix: str) -> str:

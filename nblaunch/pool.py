@@ -625,6 +625,8 @@ class Pool:
         try:
             if self.nodes.start_nodes and self._starter is None:
                 self._starter = head.start_joins(self.nodes.start_nodes, self.nodes.hostfile)
+            elif self._starter is not None:  # a lost node's join is started again
+                self._starter.renew(self.nodes.num_nodes - 1)
             with multinode.signal_handlers_kept():
                 head.rendezvous(None, self.nodes.rdzv_timeout, self._starter)
         except BaseException:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import threading
 import time
 
 import cloudpickle
@@ -19,7 +20,7 @@ from conftest import Kernel
 from test_multinode import TwoNodes
 
 from nblaunch import notebook_launcher
-from nblaunch.errors import LaunchError
+from nblaunch.errors import LaunchError, RankFailedError
 from nblaunch.pool import current_pool, start_pool
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -193,6 +194,36 @@ def test_srun_starts_a_pools_other_node_which_stays_across_restarts(nodes, stand
     assert stand_ins.read_text().count("srun ") == 1
     pool.close()
     assert starter.started[0].process.poll() == 0  # closing the pool ended the join
+
+
+def _sleep() -> None:
+    time.sleep(60)
+
+
+def test_a_pool_starts_a_lost_nodes_join_again_at_its_restart(nodes, stand_ins, tmp_path):
+    pool = start_pool(
+        1,
+        num_nodes=2,
+        rdzv_endpoint=nodes.endpoint,
+        rdzv_timeout=60,
+        device_type="cpu",
+        run_dir=nodes.run_dir,
+        display="none",
+        start_nodes="ssh",
+        hostfile=_hostfile(tmp_path, "alpha"),
+    )
+    assert pool.run(_remember) == [1, 1]
+    lost = pool._starter.started[0].process
+    threading.Timer(1.0, lost.terminate).start()  # the node's join is stopped
+    with pytest.raises(RankFailedError, match="node 1"):
+        pool.run(_sleep)
+    pool.restart()  # the pool starts alpha's join again: two nodes once more
+    assert pool.run(_remember) == [1, 1]
+    assert stand_ins.read_text().count("nblaunch join") == 2
+    new = pool._starter.started[0].process
+    assert new.pid != lost.pid
+    pool.close()
+    assert new.poll() == 0
 
 
 def test_the_magic_starts_the_other_node_over_ssh(nodes, stand_ins, tmp_path):
