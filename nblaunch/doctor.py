@@ -504,7 +504,14 @@ _SSH_PROBLEMS = (
 )
 
 
-def check_host(host: str, timeout: float, ssh: str) -> HostCheck:
+def check_each(hosts: list[str], ssh: str, timeout: float = SSH_TIMEOUT_S) -> list[HostCheck]:
+    """Check every host in parallel (see :func:`_check_host`), so one dead host costs
+    ``timeout`` seconds, not one per host."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        return list(pool.map(lambda host: _check_host(host, timeout, ssh), hosts))
+
+
+def _check_host(host: str, timeout: float, ssh: str) -> HostCheck:
     """Ask ``host`` for its name over ``ssh`` without prompting; say what failed and the fix."""
     import time
 
@@ -579,6 +586,4 @@ def check_hosts(hostfile: str | os.PathLike[str], *, timeout: float = SSH_TIMEOU
         return HostsReport(
             path, [], mpirun, "ssh is not on PATH; install an OpenSSH client (openssh-client)"
         )
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        checks = list(pool.map(lambda host: check_host(host, timeout, ssh), hosts))
-    return HostsReport(path, checks, mpirun)
+    return HostsReport(path, check_each(hosts, ssh, timeout), mpirun)

@@ -254,6 +254,16 @@ class Task(TypedDict):
     all_ranks: bool  # only a task on every rank may make the default group again
 
 
+def task_message(payload: bytes, task_id: int, ranks: list[int], world_size: int) -> Task:
+    """The ``Task`` for ``ranks`` of a run of ``world_size`` ranks."""
+    return {
+        "kind": "task",
+        "payload": payload,
+        "task_id": task_id,
+        "all_ranks": len(ranks) == world_size,
+    }
+
+
 class Stop(TypedDict):
     kind: Literal["stop"]
 

@@ -21,6 +21,7 @@ import time
 from typing import Any, TextIO
 
 from nblaunch.errors import AuthenticationError, LaunchError
+from nblaunch.events import task_message
 from nblaunch.multinode import (
     BEAT_INTERVAL_S,
     CONFIG_VERSION,
@@ -44,7 +45,7 @@ from nblaunch.relay import Relay
 from nblaunch.run import STOP_GRACE_S
 from nblaunch.supervisor import Supervisor, signal_pid, warm_up
 from nblaunch.trust import RunSecret, secret_for_join
-from nblaunch.worker import STOP, TASK
+from nblaunch.worker import STOP
 
 # How long a joining node waits for the run's settings to appear in the store.
 CONFIG_WAIT_S = 10.0
@@ -424,8 +425,9 @@ class NodeRun:
             relay = Relay(supervisor.ranks, uplink, None)
             for rank in supervisor.ranks:
                 supervisor.send(rank, plan.setup_message(rank.rank))
-                if self.payload is not None:
-                    supervisor.send(rank, {"kind": TASK, "payload": self.payload, "task_id": 0})
+                if self.payload is not None:  # a one-shot run's task: on every rank of the run
+                    every = list(range(plan.world_size))
+                    supervisor.send(rank, task_message(self.payload, 0, every, plan.world_size))
             interrupted = False
             while True:
                 self._note(relay.poll(0.05))
@@ -492,12 +494,9 @@ class NodeRun:
             if self.store.check([key]):
                 record = self.secret.open(self.store.get(key), key)
                 ranks = record["ranks"]
-                message = {
-                    "kind": TASK,
-                    "payload": record["payload"],
-                    "task_id": record["task_id"],
-                    "all_ranks": len(ranks) == self.plan.world_size,
-                }
+                message = task_message(
+                    record["payload"], record["task_id"], ranks, self.plan.world_size
+                )
                 for rank in supervisor.ranks:
                     if rank.rank in ranks:
                         supervisor.send(rank, message)

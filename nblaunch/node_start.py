@@ -2,7 +2,7 @@
 
 ``start_nodes="ssh"`` with a ``hostfile`` runs ``python -m nblaunch join`` on the first
 ``num_nodes - 1`` hosts of the file that are not this machine; every host is first checked for
-passwordless ssh (:func:`nblaunch.doctor.check_host`), and one that fails stops the launch
+passwordless ssh (:func:`nblaunch.doctor.check_each`), and one that fails stops the launch
 before anything starts, with the doctor's fix. The run's secret goes down ssh's stdin
 (``--secret-file -``), so it is on no command line. ``start_nodes="srun"``, inside a Slurm
 allocation, runs one ``join`` on each of ``num_nodes - 1`` other nodes of the job; the secret
@@ -180,13 +180,9 @@ def _other_hosts(hostfile: str | os.PathLike[str] | None, count: int) -> list[st
 
 def _unreachable(hosts: list[str], ssh: str) -> list[str]:
     """The doctor's check of each host, in parallel: one line per host that fails."""
-    import concurrent.futures
+    from nblaunch.doctor import check_each
 
-    from nblaunch.doctor import SSH_TIMEOUT_S, check_host
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        checks = list(pool.map(lambda host: check_host(host, SSH_TIMEOUT_S, ssh), hosts))
-    return [f"  {c.host}: {c.problem}; fix: {c.fix}" for c in checks if not c.ok]
+    return [f"  {c.host}: {c.problem}; fix: {c.fix}" for c in check_each(hosts, ssh) if not c.ok]
 
 
 def _start(

@@ -79,11 +79,7 @@ class LaunchOptions:
     debug_on_error: bool = False
 
     def __post_init__(self) -> None:
-        if self.start_method not in START_METHODS:
-            raise LaunchError(
-                f"start_method={self.start_method!r} is not one of {', '.join(START_METHODS)}; "
-                "the default 'forkserver' is the fast and safe choice"
-            )
+        refuse_unknown_start_method(self.start_method)
         if self.device_type is not None and self.device_type not in DEVICE_TYPES:
             raise LaunchError(
                 f"device_type={self.device_type!r} is not one of {', '.join(DEVICE_TYPES)}"
@@ -168,6 +164,15 @@ class NodeOptions:
     def replace(self, **changes: object) -> NodeOptions:
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def refuse_unknown_start_method(start_method: str) -> None:
+    """Raise ``LaunchError`` unless ``start_method`` is one of ``START_METHODS``."""
+    if start_method not in START_METHODS:
+        raise LaunchError(
+            f"start_method={start_method!r} is not one of {', '.join(START_METHODS)}; "
+            "the default 'forkserver' is the fast and safe choice"
+        )
 
 
 def _positive_number(value: object) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 from nblaunch import spares, verdict
 from nblaunch.errors import LaunchError
-from nblaunch.events import Event, EventSink, NullView, RunState, Task
+from nblaunch.events import Event, EventSink, NullView, RunState, task_message
 from nblaunch.features import Monitor, parent_monitors
 from nblaunch.plan import LaunchPlan, choose_port
 from nblaunch.relay import Relay
@@ -173,13 +173,7 @@ class Run:
     def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
         """Send one task to ``ranks`` (default: all); the run then waits for those ranks only."""
         self.task_ranks = list(range(self.plan.world_size)) if ranks is None else list(ranks)
-        message: Task = {
-            "kind": "task",
-            "payload": payload,
-            "task_id": task_id,
-            # Only a task on every rank may make the default group again (a collective).
-            "all_ranks": len(self.task_ranks) == self.plan.world_size,
-        }
+        message = task_message(payload, task_id, self.task_ranks, self.plan.world_size)
         for rank in self.supervisor.ranks:  # this machine's (a multi-node run has others)
             if rank.rank in self.task_ranks:
                 self.supervisor.send(rank, message)

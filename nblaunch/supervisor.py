@@ -31,7 +31,7 @@ from typing import Any
 
 from nblaunch import containment, semaphores
 from nblaunch.errors import LaunchError
-from nblaunch.options import START_METHODS, env_off
+from nblaunch.options import env_off, refuse_unknown_start_method
 from nblaunch.worker import RANK_FEATURES
 
 PIPE_SIZE = 1 << 20
@@ -337,11 +337,7 @@ def check_start_method(start_method: str) -> None:
     LaunchError
         With what to use instead.
     """
-    if start_method not in START_METHODS:
-        raise LaunchError(
-            f"start_method={start_method!r} is not one of {', '.join(START_METHODS)}; "
-            "the default 'forkserver' is the fast and safe choice"
-        )
+    refuse_unknown_start_method(start_method)
     if start_method == "fork" and cuda_initialized():
         raise LaunchError(
             "start_method='fork' cannot be used: CUDA is already initialised in this process, "
