@@ -143,6 +143,20 @@ class TwoNodes:
             view=view,
         )
 
+    def start_pool(self, **options):
+        """A pool of 1 CPU rank per node across these nodes (``options``: start_pool's)."""
+        from nblaunch.pool import start_pool
+
+        options = {"num_nodes": 2, "rdzv_timeout": 60, "device_type": "cpu", **options}
+        return start_pool(
+            1,
+            rdzv_endpoint=self.endpoint,
+            rdzv_id=self.run_id,
+            run_dir=self.run_dir,
+            display="none",
+            **options,
+        )
+
 
 @pytest.fixture
 def nodes(tmp_path):

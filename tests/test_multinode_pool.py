@@ -17,7 +17,7 @@ from conftest import Kernel
 from test_multinode import TwoNodes
 
 from nblaunch.errors import RankFailedError
-from nblaunch.pool import PoolState, current_pool, rank_namespace, start_pool
+from nblaunch.pool import PoolState, current_pool, rank_namespace
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -33,19 +33,6 @@ def nodes(tmp_path):
         pool.close()
     for joiner in two.joiners:
         joiner.close()
-
-
-def _start(nodes: TwoNodes, num_nodes: int = 2):
-    return start_pool(
-        1,
-        num_nodes=num_nodes,
-        rdzv_endpoint=nodes.endpoint,
-        rdzv_id=nodes.run_id,
-        rdzv_timeout=60,
-        device_type="cpu",
-        run_dir=nodes.run_dir,
-        display="none",
-    )
 
 
 def _remember() -> float:
@@ -86,7 +73,7 @@ def _interrupt_in(seconds: float) -> threading.Timer:
 
 def test_a_pool_on_two_nodes_keeps_state_and_survives_failures_interrupts_restarts(nodes):
     joiner = nodes.start_joiner()  # before the pool: it waits for the pinned run id
-    pool = _start(nodes)
+    pool = nodes.start_pool()
     assert pool.world_size == 2 and "on 2 nodes" in pool.describe()
     assert pool.run(_remember) == [3.0, 3.0]  # a collective across the nodes
     first = pool.run(_recall)
@@ -125,7 +112,7 @@ def test_a_pool_on_two_nodes_keeps_state_and_survives_failures_interrupts_restar
 
 def test_a_lost_node_fails_the_cell_at_once_and_the_pool_restarts_without_it(nodes):
     joiner = nodes.start_joiner()
-    pool = _start(nodes)
+    pool = nodes.start_pool()
     threading.Timer(1.0, joiner.process.terminate).start()  # the node's job is cancelled
     began = time.monotonic()
     with pytest.raises(

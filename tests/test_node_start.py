@@ -21,7 +21,7 @@ from test_multinode import TwoNodes
 
 from nblaunch import notebook_launcher
 from nblaunch.errors import LaunchError, RankFailedError
-from nblaunch.pool import current_pool, start_pool
+from nblaunch.pool import current_pool
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -174,16 +174,7 @@ def _remember() -> int:
 
 def test_srun_starts_a_pools_other_node_which_stays_across_restarts(nodes, stand_ins, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    pool = start_pool(
-        1,
-        num_nodes=2,
-        rdzv_endpoint=nodes.endpoint,
-        rdzv_timeout=60,
-        device_type="cpu",
-        run_dir=nodes.run_dir,
-        display="none",
-        start_nodes="srun",
-    )
+    pool = nodes.start_pool(start_nodes="srun")
     assert pool.run(_remember) == [1, 1]
     assert pool.run(_remember) == [2, 2]
     calls = stand_ins.read_text()
@@ -201,17 +192,7 @@ def _sleep() -> None:
 
 
 def test_a_pool_starts_a_lost_nodes_join_again_at_its_restart(nodes, stand_ins, tmp_path):
-    pool = start_pool(
-        1,
-        num_nodes=2,
-        rdzv_endpoint=nodes.endpoint,
-        rdzv_timeout=60,
-        device_type="cpu",
-        run_dir=nodes.run_dir,
-        display="none",
-        start_nodes="ssh",
-        hostfile=_hostfile(tmp_path, "alpha"),
-    )
+    pool = nodes.start_pool(start_nodes="ssh", hostfile=_hostfile(tmp_path, "alpha"))
     assert pool.run(_remember) == [1, 1]
     lost = pool._starter.started[0].process
     threading.Timer(1.0, lost.terminate).start()  # the node's join is stopped
