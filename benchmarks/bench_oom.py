@@ -152,9 +152,9 @@ def run_accelerate(mode: str, reduce: str) -> dict:
 
 
 def run_nblaunch(mode: str) -> dict:
+    from nblaunch.engine.plan import plan_launch, serialize_payload
+    from nblaunch.engine.run import Run
     from nblaunch.options import LaunchOptions
-    from nblaunch.plan import plan_launch, serialize_payload
-    from nblaunch.run import Run
 
     class Recorder:
         def __init__(self) -> None:

@@ -56,7 +56,7 @@ def emit(n, sink):
 KERNEL_SETUP = (
     WORKLOAD
     + """
-import nblaunch.widgets as _widgets
+import nblaunch.notebook.widgets as _widgets
 from nblaunch import notebook_launcher
 _views = []
 _make_view = _widgets.make_view

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nblaunch.plan import CPU_RANKS_PER_CORE
+from nblaunch.engine.plan import CPU_RANKS_PER_CORE
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "bench_scale.md"
@@ -239,7 +239,7 @@ class ArrivalClock:
 
 def clocked_views() -> list[ArrivalClock]:
     """Make every later launch's view an :class:`ArrivalClock`; returns the list they go to."""
-    import nblaunch.widgets as widgets
+    import nblaunch.notebook.widgets as widgets
 
     made: list[ArrivalClock] = []
     make_view = widgets.make_view

@@ -1,6 +1,7 @@
 """nblaunch: run distributed PyTorch from a Jupyter notebook, and see what every rank does."""
 
-from nblaunch.debugger import breakpoint
+from nblaunch.engine.metrics_files import load_metrics
+from nblaunch.engine.supervisor import warm_up_if_interactive
 from nblaunch.errors import (
     AuthenticationError,
     DistributedHangError,
@@ -12,16 +13,18 @@ from nblaunch.errors import (
     RankFailedError,
     RendezvousTimeoutError,
 )
-from nblaunch.launcher import debug_launcher, notebook_launcher
-from nblaunch.logging import get_logger
-from nblaunch.memory import (
+from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
+from nblaunch.notebook.pool import Pool, start_pool
+from nblaunch.rank.debugger import breakpoint
+from nblaunch.rank.logging import get_logger
+from nblaunch.rank.memory import (
     find_executable_batch_size,
     free_memory,
     per_device_batch_size,
     set_seed,
 )
-from nblaunch.metrics import load_metrics, log_metrics
-from nblaunch.ops import (
+from nblaunch.rank.metrics import log_metrics
+from nblaunch.rank.ops import (
     all_reduce,
     broadcast,
     broadcast_object_list,
@@ -32,9 +35,14 @@ from nblaunch.ops import (
     reduce,
     set_trigger,
 )
-from nblaunch.pool import Pool, start_pool
-from nblaunch.supervisor import warm_up_if_interactive
-from nblaunch.worker import device, is_main_process, local_rank, rank, wait_for_everyone, world_size
+from nblaunch.rank.worker import (
+    device,
+    is_main_process,
+    local_rank,
+    rank,
+    wait_for_everyone,
+    world_size,
+)
 
 __version__ = "0.1.0"
 
@@ -80,14 +88,14 @@ __all__ = [
 
 def load_ipython_extension(ipython):
     """``%load_ext nblaunch``: register the ``%%distributed`` and ``%dist`` magics."""
-    from nblaunch.magics import register
+    from nblaunch.notebook.magics import register
 
     register(ipython)
     warm_up_if_interactive()
 
 
 def unload_ipython_extension(ipython):
-    from nblaunch.magics import unregister
+    from nblaunch.notebook.magics import unregister
 
     unregister(ipython)
 

@@ -1,6 +1,6 @@
 """The ``nblaunch`` command.
 
-``nblaunch env [--hostfile FILE]`` prints the environment report (see :mod:`nblaunch.doctor`);
+``nblaunch env [--hostfile FILE]`` prints the environment report (see :mod:`nblaunch.engine.doctor`);
 ``nblaunch run SCRIPT -n N [-- ARGS...]`` runs a script on N ranks through ``notebook_launcher``,
 with every rank's output prefixed and the failing rank's own error at the end.
 
@@ -46,7 +46,7 @@ def add_env_command(subparsers: Subparsers) -> None:
 
 
 def run_env(args: argparse.Namespace) -> int:
-    from nblaunch import doctor
+    from nblaunch.engine import doctor
 
     sys.stdout.write(doctor.report())
     if args.hostfile is None:
@@ -83,7 +83,7 @@ def run_script_command(args: argparse.Namespace) -> int:
     import os
 
     from nblaunch.errors import LaunchError
-    from nblaunch.launcher import notebook_launcher
+    from nblaunch.notebook.launcher import notebook_launcher
 
     path = os.path.abspath(args.script)
     if not os.path.isfile(path):
@@ -130,7 +130,7 @@ def run_script(path: str, argv: list[str]) -> None:
 
 def add_join_command(subparsers: Subparsers) -> None:
     """``nblaunch join ENDPOINT --run-id RUN``: this node joins a notebook's multi-node run."""
-    from nblaunch.join import add_parser
+    from nblaunch.cluster.join import add_parser
 
     add_parser(subparsers)
 

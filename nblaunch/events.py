@@ -110,7 +110,7 @@ class Failure(TypedDict):
 
 
 class DebugPrompt(TypedDict):
-    """A rank's debugger waits for a command (nblaunch.debugger)."""
+    """A rank's debugger waits for a command (nblaunch.rank.debugger)."""
 
     kind: Literal["debug"]
     rank: int
@@ -228,6 +228,11 @@ class RunEnded(TypedDict):
 
 
 # --- sent down to a rank, and by joined nodes ----------------------------------------------------
+
+# Message kinds the parent sends down a rank's task pipe.
+SETUP = "setup"
+TASK = "task"
+STOP = "stop"
 
 
 class Setup(TypedDict):

@@ -16,11 +16,11 @@ import socket
 
 from nblaunch.errors import LaunchError
 
-# How ranks are started (see nblaunch.supervisor): the first is the default.
+# How ranks are started (see nblaunch.engine.supervisor): the first is the default.
 START_METHODS = ("forkserver", "spawn", "fork")
 # Kinds of device a rank can use; None (not listed) means "detect".
 DEVICE_TYPES = ("cuda", "cpu", "xla")
-# How the notebook may start the other nodes' join commands itself (nblaunch.node_start).
+# How the notebook may start the other nodes' join commands itself (nblaunch.cluster.node_start).
 START_NODES = ("ssh", "srun")
 # Where a run is shown: a widget in a notebook, text in a terminal, or nowhere.
 DISPLAY_MODES = ("auto", "widget", "text", "none")

@@ -55,7 +55,7 @@ def rank_children() -> list[psutil.Process]:
     their own) get up to 5 s to exit first, as the next launch would give them; one still
     there after that is listed.
     """
-    from nblaunch import supervisor
+    from nblaunch.engine import supervisor
 
     for _, _, process in list(supervisor._leaving):
         process.join(5.0)
@@ -71,13 +71,13 @@ def rank_children() -> list[psutil.Process]:
 
 
 # Run in a kernel: the pids of its live descendants other than multiprocessing's helpers and
-# the spare ranks waiting for the next launch (nblaunch.spares): ranks left behind.
+# the spare ranks waiting for the next launch (nblaunch.engine.spares): ranks left behind.
 RANKS_LEFT_CODE = """
 import psutil
-import nblaunch.spares
+import nblaunch.engine.spares
 from multiprocessing import forkserver, resource_tracker
 helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
-helpers.update(nblaunch.spares.pids())
+helpers.update(nblaunch.engine.spares.pids())
 print(sorted(p.pid for p in psutil.Process().children(recursive=True)
              if p.pid not in helpers and p.status() != psutil.STATUS_ZOMBIE))
 """
@@ -173,7 +173,9 @@ def kernel(tmp_path):
 
 def kernel_pool_pids(kernel: Kernel) -> list[int]:
     """The pids of the pool running in ``kernel``."""
-    cell = kernel.run("import nblaunch.pool\nprint(nblaunch.pool.current_pool().pids)")
+    cell = kernel.run(
+        "import nblaunch.notebook.pool\nprint(nblaunch.notebook.pool.current_pool().pids)"
+    )
     return [int(p) for p in cell["out"].strip()[1:-1].split(",")]
 
 

@@ -23,8 +23,8 @@ from conftest import rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
+from nblaunch.engine.plan import plan_launch
 from nblaunch.options import LaunchOptions
-from nblaunch.plan import plan_launch
 
 
 def launch(function, args=(), **kwargs):

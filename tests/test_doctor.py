@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from nblaunch import doctor
-from nblaunch.doctor import Accelerator
+from nblaunch.engine import doctor
+from nblaunch.engine.doctor import Accelerator
+from nblaunch.engine.plan import plan_launch
 from nblaunch.options import LaunchOptions
-from nblaunch.plan import plan_launch
 
 GIB = 1 << 30
 

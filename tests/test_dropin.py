@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nblaunch
 from nblaunch import notebook_launcher
+from nblaunch.engine.plan import plan_launch
 from nblaunch.options import LaunchOptions
-from nblaunch.plan import plan_launch
 
 
 def launch(function, args=(), n=2, **kwargs):

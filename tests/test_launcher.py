@@ -20,7 +20,7 @@ from conftest import RANKS_LEFT_CODE, rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, LaunchTimeoutError, RankFailedError, notebook_launcher
-from nblaunch import supervisor as supervisor_module
+from nblaunch.engine import supervisor as supervisor_module
 
 
 def launch(function, args=(), n=2, **kwargs):
@@ -224,7 +224,7 @@ def test_progress_bars_end_where_the_next_output_begins_in_the_text_view(capfd, 
 
 
 def test_progress_bars_in_the_widget_keep_each_last_state_once(monkeypatch, tmp_path):
-    from nblaunch import widgets
+    from nblaunch.notebook import widgets
 
     views = []
     monkeypatch.setattr(widgets, "_display", lambda obj, **kw: None)

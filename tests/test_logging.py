@@ -10,11 +10,12 @@ import cloudpickle
 import pytest
 
 from nblaunch import get_logger, notebook_launcher
-from nblaunch.logging import InOrderLog, RankLogger
+from nblaunch.engine.in_order import InOrderLog
+from nblaunch.engine.plan import plan_launch, serialize_payload
+from nblaunch.engine.run import Run
+from nblaunch.notebook.widgets import RecordingView
 from nblaunch.options import LaunchOptions
-from nblaunch.plan import plan_launch, serialize_payload
-from nblaunch.run import Run
-from nblaunch.widgets import RecordingView
+from nblaunch.rank.logging import RankLogger
 
 
 class Recorder(RecordingView):

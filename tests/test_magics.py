@@ -18,8 +18,9 @@ from conftest import rank_children
 from IPython.core.error import UsageError
 from IPython.testing.globalipapp import get_ipython
 
-from nblaunch import magics
-from nblaunch.cell import CellTask, build_cell_task, names_read, to_notebook
+from nblaunch.notebook import magics
+from nblaunch.notebook.cell import build_cell_task, names_read
+from nblaunch.rank.cell import CellTask, to_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -516,7 +517,7 @@ def test_the_magic_notebook_trains_with_ddp_and_returns_the_model(tmp_path):
 
 @pytest.mark.slow
 def test_cells_run_on_a_running_pool_and_keep_their_state(ip):
-    from nblaunch.pool import start_pool
+    from nblaunch.notebook.pool import start_pool
 
     pool = start_pool(2, device_type="cpu", display="none")
     try:
@@ -597,7 +598,7 @@ def all_reduce_sum():
 
 
 def test_the_ddp_tutorial_in_cells_one_shot_and_on_the_pool(ip):
-    from nblaunch.pool import start_pool
+    from nblaunch.notebook.pool import start_pool
 
     assert ip.run_cell(DDP_TUTORIAL_CELL).success
     cell = "demo_basic(rank, world_size)\ndist.is_initialized()"

@@ -14,10 +14,15 @@ import torch
 from conftest import rank_children, wait_until
 
 import nblaunch
-from nblaunch import memory
+from nblaunch.engine.batch_size import BatchSizeMonitor
+from nblaunch.engine.plan import plan_launch, serialize_payload
+from nblaunch.engine.run import Run
+from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
-from nblaunch.memory import (
-    BatchSizeMonitor,
+from nblaunch.notebook.widgets import RecordingView
+from nblaunch.options import LaunchOptions
+from nblaunch.rank import memory
+from nblaunch.rank.memory import (
     find_executable_batch_size,
     free_memory,
     is_out_of_memory,
@@ -25,11 +30,6 @@ from nblaunch.memory import (
     render_attempts,
     set_seed,
 )
-from nblaunch.options import LaunchOptions
-from nblaunch.plan import plan_launch, serialize_payload
-from nblaunch.run import Run
-from nblaunch.verdict import Cause, RootCause
-from nblaunch.widgets import RecordingView
 
 REAL_OOM_BYTES = 10**13  # 10 TB: more than any test machine's RAM and swap
 
@@ -462,7 +462,7 @@ def test_monitor_without_heartbeats_restarts_after_a_while(monkeypatch):
 
 
 def test_searches_in_a_persistent_pool_stay_in_step_across_tasks():
-    from nblaunch.pool import Pool
+    from nblaunch.notebook.pool import Pool
 
     with Pool(2, device_type="cpu", display="none") as pool:
         # a search on rank 0 alone cannot agree with rank 1: said at once, not a hang
@@ -478,7 +478,7 @@ def test_searches_in_a_persistent_pool_stay_in_step_across_tasks():
 
 @pytest.mark.slow
 def test_a_pool_cannot_restart_blocked_ranks_and_says_which_size_to_use():
-    from nblaunch.pool import Pool
+    from nblaunch.notebook.pool import Pool
 
     with Pool(2, device_type="cpu", display="none") as pool:
         with pytest.raises(DistributedHangError, match="run again with starting_batch_size=32"):

@@ -11,8 +11,8 @@ import pytest
 from conftest import WIDGET_VIEW
 
 from nblaunch import load_metrics, log_metrics, notebook_launcher
-from nblaunch.metrics import MAX_POINTS, MetricSeries, render_svg, series_from
-from nblaunch.widgets import LaunchView
+from nblaunch.notebook.charts import MAX_POINTS, MetricSeries, render_svg, series_from
+from nblaunch.notebook.widgets import LaunchView
 
 COMPAT = Path(__file__).parent / "compat"
 
@@ -172,7 +172,7 @@ def test_each_ranks_throughput_is_charted_from_its_steps_and_times():
 def log_with_accelerate():
     from accelerate import Accelerator
 
-    from nblaunch.integrations import AccelerateMetrics
+    from nblaunch.rank.integrations import AccelerateMetrics
 
     accelerator = Accelerator(cpu=True, log_with=[AccelerateMetrics()])
     accelerator.init_trackers("run")

@@ -21,14 +21,9 @@ import psutil
 import pytest
 from conftest import rank_children, wait_until
 
-from nblaunch import (
-    LaunchError,
-    RankFailedError,
-    RendezvousTimeoutError,
-    multinode,
-    notebook_launcher,
-)
-from nblaunch.multinode import (
+from nblaunch import LaunchError, RankFailedError, RendezvousTimeoutError, notebook_launcher
+from nblaunch.cluster import multinode
+from nblaunch.cluster.multinode import (
     MultiNodePlan,
     launch_multinode,
     node_rank_of,
@@ -145,7 +140,7 @@ class TwoNodes:
 
     def start_pool(self, **options):
         """A pool of 1 CPU rank per node across these nodes (``options``: start_pool's)."""
-        from nblaunch.pool import start_pool
+        from nblaunch.notebook.pool import start_pool
 
         options = {"num_nodes": 2, "rdzv_timeout": 60, "device_type": "cpu", **options}
         return start_pool(

@@ -17,7 +17,7 @@ from conftest import Kernel
 from test_multinode import TwoNodes
 
 from nblaunch.errors import RankFailedError
-from nblaunch.pool import PoolState, current_pool, rank_namespace
+from nblaunch.notebook.pool import PoolState, current_pool, rank_namespace
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -39,10 +39,10 @@ def _remember() -> float:
     import torch
     import torch.distributed as dist
 
-    import nblaunch.pool
+    import nblaunch.notebook.pool
 
     rank = dist.get_rank()
-    nblaunch.pool.rank_namespace()["x"] = rank + 1
+    nblaunch.notebook.pool.rank_namespace()["x"] = rank + 1
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     return total.item()

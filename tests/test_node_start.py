@@ -21,7 +21,7 @@ from test_multinode import TwoNodes
 
 from nblaunch import notebook_launcher
 from nblaunch.errors import LaunchError, RankFailedError
-from nblaunch.pool import current_pool
+from nblaunch.notebook.pool import current_pool
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -165,9 +165,9 @@ def test_bad_start_nodes_arguments_are_refused(nodes, stand_ins, tmp_path, monke
 
 
 def _remember() -> int:
-    import nblaunch.pool
+    import nblaunch.notebook.pool
 
-    namespace = nblaunch.pool.rank_namespace()
+    namespace = nblaunch.notebook.pool.rank_namespace()
     namespace["calls"] = namespace.get("calls", 0) + 1
     return namespace["calls"]
 

@@ -17,10 +17,11 @@ import pytest
 from conftest import kernel_pool_pids, rank_children, wait_until
 
 import nblaunch
-from nblaunch import LaunchError, RankFailedError, notebook_launcher, widgets
-from nblaunch import pool as pool_module
-from nblaunch.pool import Pool, PoolState, parse_ranks, rank_namespace, start_pool
-from nblaunch.widgets import RecordingView
+from nblaunch import LaunchError, RankFailedError, notebook_launcher
+from nblaunch.notebook import pool as pool_module
+from nblaunch.notebook import widgets
+from nblaunch.notebook.pool import Pool, PoolState, parse_ranks, rank_namespace, start_pool
+from nblaunch.notebook.widgets import RecordingView
 
 
 class Recorder(RecordingView):
@@ -52,7 +53,7 @@ def pool():
 def recorded(pool, monkeypatch):
     pool.display = "text"  # any view but "none"; make_view below hands out recorders
     Recorder.tasks = []
-    monkeypatch.setattr("nblaunch.widgets.make_view", lambda display: Recorder())
+    monkeypatch.setattr("nblaunch.notebook.widgets.make_view", lambda display: Recorder())
     return Recorder.tasks
 
 
@@ -227,7 +228,7 @@ def test_interrupt_stops_the_task_on_every_rank_and_keeps_the_pool(pool):
 
 def test_a_task_timeout_stops_the_task_and_keeps_the_pool(pool):
     from nblaunch import LaunchTimeoutError
-    from nblaunch.plan import serialize_payload
+    from nblaunch.engine.plan import serialize_payload
 
     pool.run(remember, 4)
     began = time.monotonic()
@@ -320,7 +321,7 @@ def test_close_stops_every_rank_and_a_closed_pool_says_how_to_start():
     assert {p.pid for p in rank_children()} >= set(pids)
     pool.close()
     assert not any(_alive(pid) for pid in pids)
-    assert nblaunch.pool.current_pool() is None
+    assert nblaunch.notebook.pool.current_pool() is None
     with pytest.raises(LaunchError, match="start_pool"):
         pool.run(recall)
     pool.close()  # twice is fine
@@ -328,11 +329,11 @@ def test_close_stops_every_rank_and_a_closed_pool_says_how_to_start():
 
 def test_context_manager_and_restart_keep_the_options():
     with Pool(2, device_type="cpu", display="none", debug=True) as pool:
-        assert pool.run(lambda: nblaunch.worker.current().debug) == [True, True]
+        assert pool.run(lambda: nblaunch.rank.worker.current().debug) == [True, True]
         first = pool.pids
         pool.restart()
         assert set(pool.pids).isdisjoint(first)
-        assert pool.run(lambda: nblaunch.worker.current().debug) == [True, True]
+        assert pool.run(lambda: nblaunch.rank.worker.current().debug) == [True, True]
     assert pool.state is PoolState.CLOSED
     assert not any(_alive(pid) for pid in pool.pids)
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from nblaunch.relay import MAX_LINE_BYTES, Relay
-from nblaunch.supervisor import RankProcess
-from nblaunch.widgets import RecordingView
+from nblaunch.engine.relay import MAX_LINE_BYTES, Relay
+from nblaunch.engine.supervisor import RankProcess
+from nblaunch.notebook.widgets import RecordingView
 
 
 class Recorder(RecordingView):

@@ -1,4 +1,4 @@
-"""Spare ranks (``nblaunch.spares``): a notebook's next launch takes processes forked ahead.
+"""Spare ranks (``nblaunch.engine.spares``): a notebook's next launch takes processes forked ahead.
 
 In a real kernel, as a notebook runs the same cell again and again.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import psutil
 from conftest import wait_until
 
-SPARE_PIDS = "import nblaunch.spares\nprint(sorted(nblaunch.spares.pids()))"
+SPARE_PIDS = "import nblaunch.engine.spares\nprint(sorted(nblaunch.engine.spares.pids()))"
 
 
 def _pids(kernel) -> list[int]:
@@ -60,7 +60,7 @@ def test_no_spares_when_turned_off(tmp_path, monkeypatch):
     try:
         assert kernel.run("%load_ext nblaunch")["error"] is None
         assert kernel.run("%%distributed -n 2\npass", timeout=120)["error"] is None
-        cell = kernel.run("import nblaunch.spares as s\nprint(s._worker, s.pids())")
+        cell = kernel.run("import nblaunch.engine.spares as s\nprint(s._worker, s.pids())")
         assert cell["out"].strip() == "None []"
     finally:
         kernel.close()
@@ -68,7 +68,7 @@ def test_no_spares_when_turned_off(tmp_path, monkeypatch):
 
 def test_a_script_forks_no_spares():
     import nblaunch
-    import nblaunch.spares as spares
+    import nblaunch.engine.spares as spares
 
     assert nblaunch.notebook_launcher(_pid, num_processes=2, display="none")
     assert spares._worker is None and spares.pids() == []

@@ -20,7 +20,7 @@ from test_multinode import HEAD, Recorder, TwoNodes
 from test_multinode import nodes as nodes  # the same two-node fixture
 
 from nblaunch import AuthenticationError, RendezvousTimeoutError
-from nblaunch.trust import RunSecret, SigningStore
+from nblaunch.cluster.trust import RunSecret, SigningStore
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -243,8 +243,8 @@ def test_run_directories_and_logs_are_private(tmp_path, monkeypatch):
 
 
 def test_old_run_directories_are_pruned_and_nothing_else(tmp_path, monkeypatch):
+    from nblaunch.engine.plan import plan_launch
     from nblaunch.options import LaunchOptions
-    from nblaunch.plan import plan_launch
 
     base = tmp_path / "runs"
     old = [base / f"2026010{day}-120000-abcdef" for day in range(1, 6)]

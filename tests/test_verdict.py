@@ -8,9 +8,9 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from nblaunch import verdict
+from nblaunch.engine import verdict
+from nblaunch.engine.verdict import Cause, Context, Outcome, RootCause
 from nblaunch.errors import LaunchError, LaunchTimeoutError, RankFailedError
-from nblaunch.verdict import Cause, Context, Outcome, RootCause
 
 CONTEXT = Context(world_size=2, task_ranks=(0, 1))
 

@@ -10,9 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from nblaunch import DistributedHangError, notebook_launcher, watchdog
+from nblaunch import DistributedHangError, notebook_launcher
+from nblaunch.engine import hang
+from nblaunch.engine.hang import HangMonitor, find_straggler
 from nblaunch.events import RunState
-from nblaunch.watchdog import HangMonitor, HeartbeatThread, find_straggler, read_position
+from nblaunch.rank import heartbeat as watchdog
+from nblaunch.rank.heartbeat import HeartbeatThread, read_position
 
 
 def line_of(function, marker: str) -> int:
@@ -159,7 +162,7 @@ def test_notebook_cell_files_are_shown_as_cells_with_their_source():
     number = shell.compile._filename_map[filename]
     # A rank's stack has no source line for a cell (it has no copy of the cell's text).
     text = f'  File "{filename}", line 2, in cell_function\nrank 0 at {filename}:2 in cell_function'
-    assert watchdog.cell_names(text) == (
+    assert hang.cell_names(text) == (
         f'  File "Cell In[{number}]", line 2, in cell_function\n'
         "    return 42\n"
         f"rank 0 at Cell In[{number}]:2 in cell_function"
@@ -222,7 +225,7 @@ def returns(hang, run, rank, seq):
 def test_monitor_reports_a_rank_that_returned_while_another_waits(monkeypatch):
     hang, run = monitor(), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
     returns(hang, run, 1, seq=4)
     clock[0] += 0.5
     hang.on_event(run, beat(0, collective="all_reduce", seq=5, still=0.5))
@@ -243,7 +246,7 @@ def test_monitor_does_not_blame_a_returned_rank_for_a_collective_it_took_part_in
     # leave it, or it is a subgroup collective): not a certain hang.
     hang, run = monitor(), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
     returns(hang, run, 1, seq=4)
     clock[0] += 3.0
     hang.on_event(run, beat(0, collective="all_reduce", seq=4, still=3.0))
@@ -255,7 +258,7 @@ def test_monitor_without_sequence_numbers_waits_a_little_longer(monkeypatch):
     # the other returned.
     hang, run = monitor(), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
     hang.on_event(run, beat(0, collective="barrier", still=0.5))
     returns(hang, run, 1, seq=None)
     clock[0] += 1.5
@@ -271,7 +274,7 @@ def test_monitor_without_sequence_numbers_waits_a_little_longer(monkeypatch):
 def test_monitor_waits_for_hang_timeout_and_names_the_rank_outside_collectives(monkeypatch):
     hang, run = monitor(hang_timeout=10.0), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
 
     def beats(still):
         hang.on_event(run, beat(0, collective="barrier", seq=1, still=still))
@@ -297,7 +300,7 @@ def test_monitor_waits_for_hang_timeout_and_names_the_rank_outside_collectives(m
 def test_monitor_treats_a_rank_without_heartbeats_as_still(monkeypatch):
     hang, run = monitor(hang_timeout=10.0), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
     hang.on_event(run, beat(0, collective="barrier", seq=1, still=1.0))
     hang.on_event(run, beat(1, still=1.0))
     clock[0] += 8.5
@@ -315,7 +318,7 @@ def test_monitor_waits_for_fresh_heartbeats_after_a_rank_returned(monkeypatch):
     # last heartbeat predates that, so it proves nothing; rank 0 is about to return too.
     hang, run = monitor(hang_timeout=2.0), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
     hang.on_event(run, beat(0, collective="barrier", seq=1, still=3.0))
     clock[0] += 0.2
     returns(hang, run, 1, seq=1)
@@ -328,7 +331,7 @@ def test_monitor_waits_for_fresh_heartbeats_after_a_rank_returned(monkeypatch):
 def test_monitor_counts_output_as_progress(monkeypatch):
     hang, run = monitor(hang_timeout=10.0), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
     hang.on_event(run, beat(0, collective="barrier", seq=1, still=11.0))
     hang.on_event(run, beat(1, still=11.0))
     run.relay.last_output[1] = time.time() - 2.0  # rank 1 printed two seconds ago
@@ -337,7 +340,7 @@ def test_monitor_counts_output_as_progress(monkeypatch):
 
 def test_monitor_with_hang_timeout_none_never_times_out(monkeypatch):
     hang, run = monitor(hang_timeout=None), FakeRun()
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: 1e6)
+    monkeypatch.setattr(hang.time, "monotonic", lambda: 1e6)
     hang.on_event(run, beat(0, collective="barrier", seq=1, still=1e5))
     hang.on_event(run, beat(1, collective="all_reduce", seq=1, still=1e5))
     assert hang.check(run) is None

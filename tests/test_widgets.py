@@ -9,10 +9,10 @@ import time
 import ipywidgets
 import pytest
 
-from nblaunch import widgets
 from nblaunch.errors import LaunchError
 from nblaunch.events import RunState
-from nblaunch.widgets import LaunchView, NullView, TextView, make_view
+from nblaunch.notebook import widgets
+from nblaunch.notebook.widgets import LaunchView, NullView, TextView, make_view
 
 
 def run_info(world_size: int = 2, run_dir: str = "/tmp/runs/r1") -> dict:

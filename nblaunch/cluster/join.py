@@ -4,7 +4,7 @@ The node connects to the store the notebook hosts, reads the run's settings and 
 part in the c10d rendezvous, then runs its share of the ranks with the ordinary supervisor and
 relay. Everything its ranks send (output lines, logs, heartbeats, results, failures) goes up to
 the notebook through the store; the node stops its ranks when the notebook says so, or when it
-loses the notebook. See :mod:`nblaunch.multinode` for the whole picture.
+loses the notebook. See :mod:`nblaunch.cluster.multinode` for the whole picture.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from nblaunch.errors import AuthenticationError, LaunchError
-from nblaunch.events import task_message
-from nblaunch.multinode import (
+from nblaunch.cluster.multinode import (
     BEAT_INTERVAL_S,
     CONFIG_VERSION,
     CONTROL_INTERRUPT,
@@ -41,11 +39,12 @@ from nblaunch.multinode import (
     rendezvous_handler,
     unshared_rendezvous_store,
 )
-from nblaunch.relay import Relay
-from nblaunch.run import STOP_GRACE_S
-from nblaunch.supervisor import Supervisor, signal_pid, warm_up
-from nblaunch.trust import RunSecret, secret_for_join
-from nblaunch.worker import STOP
+from nblaunch.cluster.trust import RunSecret, secret_for_join
+from nblaunch.engine.relay import Relay
+from nblaunch.engine.run import STOP_GRACE_S
+from nblaunch.engine.supervisor import Supervisor, signal_pid, warm_up
+from nblaunch.errors import AuthenticationError, LaunchError
+from nblaunch.events import STOP, task_message
 
 # How long a joining node waits for the run's settings to appear in the store.
 CONFIG_WAIT_S = 10.0
@@ -119,7 +118,7 @@ def _run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m nblaunch.join ENDPOINT --run-id RUN`` (the same as ``nblaunch join``)."""
+    """``python -m nblaunch.cluster.join ENDPOINT --run-id RUN`` (the same as ``nblaunch join``)."""
     parser = argparse.ArgumentParser(prog="nblaunch join")
     configure_parser(parser)
     args = parser.parse_args(argv)
@@ -589,5 +588,5 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-if __name__ == "__main__":  # pragma: no cover - python -m nblaunch.join
+if __name__ == "__main__":  # pragma: no cover - python -m nblaunch.cluster.join
     sys.exit(main())

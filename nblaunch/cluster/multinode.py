@@ -1,11 +1,11 @@
 """Runs across several machines: the notebook node hosts, the other nodes join.
 
-A multi-node run is the single-node run of :mod:`nblaunch.run` on every node, tied together
+A multi-node run is the single-node run of :mod:`nblaunch.engine.run` on every node, tied together
 by PyTorch's own elastic rendezvous (``torch.distributed.elastic``'s c10d rendezvous)::
 
     notebook node (node 0)                                   other nodes
       TCPStore on rdzv_endpoint ◀── c10d rendezvous ──────── python -m nblaunch join ENDPOINT
-        config + payload        ───────────────────────────▶   --run-id RUN (nblaunch.join)
+        config + payload        ───────────────────────────▶   --run-id RUN (nblaunch.cluster.join)
         "up" queue              ◀── events, output lines ────   Supervisor + Relay → store
         "control" key           ─── ok / stop / interrupt ──▶   stops its ranks
       Supervisor: ranks 0..n-1                                 Supervisor: ranks k*n..k*n+n-1
@@ -23,7 +23,7 @@ by PyTorch's own elastic rendezvous (``torch.distributed.elastic``'s c10d rendez
 - **Events**: each joined node runs the ordinary supervisor and relay; its relay's sink pushes
   the events and output lines of its ranks, in batches, onto a queue in the store, which the
   notebook's relay pops alongside its own pipes. No second connection, no extra port.
-- **Decisions** are taken in one place, the notebook's :class:`~nblaunch.run.Run`: the first
+- **Decisions** are taken in one place, the notebook's :class:`~nblaunch.engine.run.Run`: the first
   primary failure on any node is the root cause; the notebook then sets the control key and
   every node stops its ranks. (An elastic agent per node would hide a remote failure from the
   notebook node behind its exit barrier; here no node decides on its own.)
@@ -47,6 +47,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from nblaunch.cluster.node_start import NodeStarter, start_joins
+from nblaunch.cluster.trust import SECRET_ENV, RunSecret, SigningStore, remove_secret_file
+from nblaunch.engine.plan import LaunchPlan, detect_devices, plan_launch, serialize_payload
+from nblaunch.engine.relay import Relay, open_private
+from nblaunch.engine.run import Run
+from nblaunch.engine.supervisor import warm_up
+from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import (
     AuthenticationError,
     LaunchError,
@@ -54,14 +61,7 @@ from nblaunch.errors import (
     RendezvousTimeoutError,
 )
 from nblaunch.events import Event, EventSink, NullView, RunState, diagnosis
-from nblaunch.node_start import NodeStarter, start_joins
 from nblaunch.options import DEFAULT_RDZV_PORT, LaunchOptions, NodeOptions
-from nblaunch.plan import LaunchPlan, detect_devices, plan_launch, serialize_payload
-from nblaunch.relay import Relay, open_private
-from nblaunch.run import Run
-from nblaunch.supervisor import warm_up
-from nblaunch.trust import SECRET_ENV, RunSecret, SigningStore, remove_secret_file
-from nblaunch.verdict import Cause, RootCause
 
 # Where the notebook node's news about the other nodes is kept, in the run directory.
 NODES_LOG = "nodes.log"
@@ -404,10 +404,10 @@ def launch_multinode(
 ) -> list[Any]:
     """Run ``function`` on ``num_processes`` ranks on each of ``nodes.num_nodes`` nodes.
 
-    Called by :func:`~nblaunch.launcher.notebook_launcher` when ``num_nodes`` is given; see
+    Called by :func:`~nblaunch.notebook.launcher.notebook_launcher` when ``num_nodes`` is given; see
     there for the options. This process is node 0 and holds ranks 0 to ``num_processes - 1``;
     the other nodes join with ``python -m nblaunch join`` (started by hand, or from here with
-    ``nodes.start_nodes``: :mod:`nblaunch.node_start`).
+    ``nodes.start_nodes``: :mod:`nblaunch.cluster.node_start`).
 
     Parameters
     ----------
@@ -443,7 +443,7 @@ def launch_multinode(
     plan = plan_nodes(function, num_processes, options, nodes)
     payload = serialize_payload(function, args, kwargs)
     if view is None:
-        from nblaunch.widgets import make_view
+        from nblaunch.notebook.widgets import make_view
 
         view = make_view(display)
     with signal_handlers_kept():
@@ -516,7 +516,7 @@ class Head:
         self.done: set[int] = set()  # nodes that reported their ranks stopped
         self.errors: list[tuple[int, str]] = []  # (node, message) of nodes that broke down
         self._control: str | None = None
-        # Only holders of the run's secret may write what this kernel reads (nblaunch.trust).
+        # Only holders of the run's secret may write what this kernel reads (nblaunch.cluster.trust).
         # A pool keeps its secret across restarts: the nodes' join commands stay valid.
         self.secret = secret or RunSecret.new()
         self.secret.write_file(plan.run_id)  # for nodes sharing this home directory
@@ -539,7 +539,7 @@ class Head:
     # --- before the ranks start --------------------------------------------------------------
 
     def start_joins(self, start_nodes: str, hostfile: str | os.PathLike[str] | None) -> NodeStarter:
-        """Start ``join`` on the other nodes from here (:mod:`nblaunch.node_start`)."""
+        """Start ``join`` on the other nodes from here (:mod:`nblaunch.cluster.node_start`)."""
         return start_joins(
             start_nodes,
             count=self.plan.num_nodes - 1,
@@ -925,7 +925,7 @@ class _NodeMonitor:
 
 
 class MultiNodeRun(Run):
-    """A :class:`~nblaunch.run.Run` whose ranks live on several nodes.
+    """A :class:`~nblaunch.engine.run.Run` whose ranks live on several nodes.
 
     This node's ranks are supervised here as in a single-node run; the other nodes' events
     reach the same relay from the store (:class:`RemoteNodes`). The decisions (root cause, when

@@ -2,7 +2,7 @@
 
 ``start_nodes="ssh"`` with a ``hostfile`` runs ``python -m nblaunch join`` on the first
 ``num_nodes - 1`` hosts of the file that are not this machine; every host is first checked for
-passwordless ssh (:func:`nblaunch.doctor.check_each`), and one that fails stops the launch
+passwordless ssh (:func:`nblaunch.engine.doctor.check_each`), and one that fails stops the launch
 before anything starts, with the doctor's fix. The run's secret goes down ssh's stdin
 (``--secret-file -``), so it is on no command line. ``start_nodes="srun"``, inside a Slurm
 allocation, runs one ``join`` on each of ``num_nodes - 1`` other nodes of the job; the secret
@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nblaunch.cluster.trust import SECRET_ENV
+from nblaunch.engine.relay import open_private
 from nblaunch.errors import LaunchError
-from nblaunch.relay import open_private
-from nblaunch.trust import SECRET_ENV
 
 # How long the started commands get to end by themselves after the run, before they are stopped.
 END_WAIT_S = 15.0
@@ -160,7 +160,7 @@ def start_joins(
 
 
 def _other_hosts(hostfile: str | os.PathLike[str] | None, count: int) -> list[str]:
-    from nblaunch.doctor import read_hostfile
+    from nblaunch.engine.doctor import read_hostfile
 
     assert hostfile is not None
     try:
@@ -180,7 +180,7 @@ def _other_hosts(hostfile: str | os.PathLike[str] | None, count: int) -> list[st
 
 def _unreachable(hosts: list[str], ssh: str) -> list[str]:
     """The doctor's check of each host, in parallel: one line per host that fails."""
-    from nblaunch.doctor import check_each
+    from nblaunch.engine.doctor import check_each
 
     return [f"  {c.host}: {c.problem}; fix: {c.fix}" for c in check_each(hosts, ssh) if not c.ok]
 

@@ -387,7 +387,7 @@ def _torch(import_it: bool = False) -> Any:
 
 
 def _cuda_initialized() -> bool:
-    from nblaunch.supervisor import cuda_initialized
+    from nblaunch.engine.supervisor import cuda_initialized
 
     return cuda_initialized()
 

@@ -2,13 +2,13 @@
 
 A feature lives in a module of its own and may have two sides:
 
-- in the ranks, task hooks it registers with :func:`nblaunch.worker.add_task_hook` when it is
+- in the ranks, task hooks it registers with :func:`nblaunch.rank.worker.add_task_hook` when it is
   imported (the modules in ``worker.RANK_FEATURES``, imported at set-up and preloaded in the
   forkserver);
 - in the notebook, a *monitor*: it sees every event a rank sends and may end the run with a
   root cause (:class:`Monitor`); it sees the run through :class:`RunContext` only.
 
-The engine (:mod:`nblaunch.run`) makes the monitors listed here and names none of them.
+The engine (:mod:`nblaunch.engine.run`) makes the monitors listed here and names none of them.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nblaunch.debugger import DebugPrompts
+from nblaunch.engine.batch_size import BatchSizeMonitor
+from nblaunch.engine.debug_prompts import DebugPrompts
+from nblaunch.engine.hang import HangMonitor
+from nblaunch.engine.verdict import Outcome, RootCause
 from nblaunch.events import Event, RunState
-from nblaunch.memory import BatchSizeMonitor
-from nblaunch.verdict import Outcome, RootCause
-from nblaunch.watchdog import HangMonitor
 
 if TYPE_CHECKING:
-    from nblaunch.plan import LaunchPlan
+    from nblaunch.engine.plan import LaunchPlan
 
 
 class RunContext(Protocol):
-    """What a monitor may see of the run and do to it (:class:`nblaunch.run.Run` is one)."""
+    """What a monitor may see of the run and do to it (:class:`nblaunch.engine.run.Run` is one)."""
 
     outcome: Outcome  # results, failures and finished ranks of the task so far
     task_ranks: list[int]  # the ranks running the task

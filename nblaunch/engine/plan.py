@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nblaunch import process_groups
+from nblaunch.engine.supervisor import check_start_method
 from nblaunch.errors import LaunchError
-from nblaunch.events import RunInfo, Setup
+from nblaunch.events import SETUP, RunInfo, Setup
 from nblaunch.options import DEVICE_TYPES, FALSE_VALUES, LaunchOptions, debug_from_env
-from nblaunch.supervisor import check_start_method
-from nblaunch.worker import SETUP
+from nblaunch.rank import process_groups
 
 # Run directories kept under the default base (NBLAUNCH_KEEP_RUNS changes it; 0 keeps all).
 KEEP_RUNS = 50
@@ -182,7 +181,7 @@ def plan_launch(
     if device_type == "cpu":
         _check_cpu_ranks(num_processes, warnings)
     _check_working_directory()
-    from nblaunch.doctor import launch_warnings  # not at import: ~9 ms
+    from nblaunch.engine.doctor import launch_warnings  # not at import: ~9 ms
 
     warnings += launch_warnings(device_type, num_processes)  # old kernel, mixed GPUs
     notes = _cpu_library_notes(device_type, num_processes, warnings)
@@ -206,7 +205,7 @@ def plan_launch(
         device_kind=device_kind,
         warnings=warnings,
         notes=notes,
-        # nblaunch.debugger reads it in the ranks (kept out of the options when off).
+        # nblaunch.rank.debugger reads it in the ranks (kept out of the options when off).
         options={"debug_on_error": True} if options.debug_on_error else {},
     )
 

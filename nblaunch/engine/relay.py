@@ -32,10 +32,10 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from nblaunch.engine.in_order import InOrderLog
+from nblaunch.engine.metrics_files import METRICS_FILE, metric_lines, write_tensorboard_files
+from nblaunch.engine.supervisor import RankProcess
 from nblaunch.events import Event, EventSink, Log, Stream
-from nblaunch.logging import InOrderLog
-from nblaunch.metrics import METRICS_FILE, metric_lines, write_tensorboard_files
-from nblaunch.supervisor import RankProcess
 
 # A line longer than this is passed on in pieces rather than held in memory until its end.
 MAX_LINE_BYTES = 1 << 16
@@ -54,7 +54,7 @@ _LOG_SOURCE = 0
 
 class EventSource(Protocol):
     """Events from elsewhere than this machine's pipes, e.g. another node's ranks
-    (:class:`nblaunch.multinode.RemoteNodes`)."""
+    (:class:`nblaunch.cluster.multinode.RemoteNodes`)."""
 
     def pull(self, relay: Relay) -> list[dict[str, Any]]:
         """Hand what arrived to ``relay.accept``; return the records the run must act on."""
@@ -469,7 +469,7 @@ class Relay:
             handle(event)
 
     def write_metrics(self, event: dict[str, Any]) -> None:
-        """Append a ``metrics`` event to ``<run dir>/metrics.jsonl`` (nblaunch.metrics)."""
+        """Append a ``metrics`` event to ``<run dir>/metrics.jsonl`` (nblaunch.rank.metrics)."""
         if self.run_dir is None:
             return
         if self._metrics_file is None:

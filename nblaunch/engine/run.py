@@ -1,9 +1,9 @@
 """The run engine: start the ranks, relay what they say, find the root cause, stop, report.
 
-:class:`Run` starts the ranks (:class:`~nblaunch.supervisor.Supervisor`), sends each its setup
+:class:`Run` starts the ranks (:class:`~nblaunch.engine.supervisor.Supervisor`), sends each its setup
 and task, pumps the relay, lets the monitors (hang watchdog, out-of-memory restarts) watch every
 event, settles on a root cause (the first *primary* failure, never a rank that only saw its peer
-die) and asks :mod:`nblaunch.verdict` what the caller gets. The one-shot launch, the persistent
+die) and asks :mod:`nblaunch.engine.verdict` what the caller gets. The one-shot launch, the persistent
 pool and the multi-node head all drive it.
 """
 
@@ -14,15 +14,14 @@ import signal
 import time
 from typing import Any
 
-from nblaunch import spares, verdict
+from nblaunch.engine import spares, verdict
+from nblaunch.engine.features import Monitor, parent_monitors
+from nblaunch.engine.plan import LaunchPlan, choose_port
+from nblaunch.engine.relay import Relay
+from nblaunch.engine.supervisor import Supervisor, signal_pid
+from nblaunch.engine.verdict import Cause, Outcome, RootCause
 from nblaunch.errors import LaunchError
-from nblaunch.events import Event, EventSink, NullView, RunState, task_message
-from nblaunch.features import Monitor, parent_monitors
-from nblaunch.plan import LaunchPlan, choose_port
-from nblaunch.relay import Relay
-from nblaunch.supervisor import Supervisor, signal_pid
-from nblaunch.verdict import Cause, Outcome, RootCause
-from nblaunch.worker import STOP
+from nblaunch.events import STOP, Event, EventSink, NullView, RunState, task_message
 
 # After a root cause, how long the other ranks get to stop before SIGKILL.
 STOP_GRACE_S = 2.0
@@ -308,7 +307,7 @@ class Run:
     def _restart(self, payload: bytes) -> None:
         """Stop every rank and start them again with the setup options a monitor asked for.
 
-        ``nblaunch.memory.BatchSizeMonitor`` asks for this when a rank ran out of memory while
+        ``nblaunch.engine.batch_size.BatchSizeMonitor`` asks for this when a rank ran out of memory while
         its peers were blocked in a collective of the same step: only fresh processes, all at
         the smaller batch size, can go on from there. Output and log files carry on.
         """

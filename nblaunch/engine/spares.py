@@ -22,8 +22,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from nblaunch.engine.supervisor import RankProcess, Supervisor, main_module_has_source
 from nblaunch.options import env_off
-from nblaunch.supervisor import RankProcess, Supervisor, main_module_has_source
 
 SPARES_ENV = "NBLAUNCH_SPARE_RANKS"
 # The forking waits this long, so that the cell that launched ends first: it would compete

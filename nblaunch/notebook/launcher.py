@@ -2,14 +2,14 @@
 
 A launch goes through four steps:
 
-1. **Validate and plan** (:func:`nblaunch.plan.plan_launch`): check every argument, pick devices,
+1. **Validate and plan** (:func:`nblaunch.engine.plan.plan_launch`): check every argument, pick devices,
    backend and port, and serialise the function with its arguments. Anything wrong is a
    ``LaunchError`` before a process starts.
-2. **Start** the ranks and send each its setup and task (:class:`nblaunch.run.Run`).
+2. **Start** the ranks and send each its setup and task (:class:`nblaunch.engine.run.Run`).
 3. **Watch**: relay output and events to the view, collect results, and spot the root cause when
    something fails: the first *primary* failure, never a rank that only saw its peer die.
 4. **Finish**: stop every rank (politely, then by force), then return the results by rank or
-   raise what :mod:`nblaunch.verdict` says: the failing rank's own exception.
+   raise what :mod:`nblaunch.engine.verdict` says: the failing rank's own exception.
 
 ``LaunchPlan``, ``plan_launch``, ``serialize_payload`` and ``Run`` stay importable from here.
 """
@@ -19,17 +19,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nblaunch import spares
-from nblaunch.errors import LaunchError
-from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions
-from nblaunch.plan import (  # noqa: F401  (kept importable from here)
+from nblaunch.engine import spares
+from nblaunch.engine.plan import (  # noqa: F401  (kept importable from here)
     LaunchPlan,
     find_unpicklable,
     plan_launch,
     serialize_payload,
 )
-from nblaunch.pool import refuse_if_running
-from nblaunch.run import STOP_GRACE_S, Run  # noqa: F401  (kept importable from here)
+from nblaunch.engine.run import STOP_GRACE_S, Run  # noqa: F401  (kept importable from here)
+from nblaunch.errors import LaunchError
+from nblaunch.notebook.pool import refuse_if_running
+from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions
 
 
 def notebook_launcher(
@@ -99,11 +99,11 @@ def notebook_launcher(
         rendezvous on ``rdzv_endpoint`` (``"host:port"``, one of its own addresses) and prints
         the ``python -m nblaunch join`` command for the other nodes, which must join within
         ``rdzv_timeout`` seconds (default 600). ``rdzv_id`` pins the run id, so the join
-        commands can be started before the cell. See :mod:`nblaunch.multinode`.
+        commands can be started before the cell. See :mod:`nblaunch.cluster.multinode`.
     start_nodes, hostfile
         Start the other nodes' join from here: ``"ssh"`` on the hosts of ``hostfile`` (after
         checking passwordless ssh), or ``"srun"`` inside a Slurm allocation. See
-        :mod:`nblaunch.node_start`.
+        :mod:`nblaunch.cluster.node_start`.
 
     Returns
     -------
@@ -149,14 +149,18 @@ def notebook_launcher(
                 "another node's ranks; debug on one node, then scale out"
             )
         nodes = NodeOptions(num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
-        from nblaunch.multinode import launch_multinode  # not at import: ~9 ms, rarely used
+        from nblaunch.cluster.multinode import launch_multinode  # not at import: ~9 ms, rarely used
 
         return launch_multinode(
             function, args, num_processes, options, nodes, kwargs=kwargs, display=display
         )
     plan = plan_launch(function, num_processes, options)
     payload = serialize_payload(function, args, kwargs)
-    from nblaunch.widgets import DeferredView, LaunchView, make_view  # not at import: ~12 ms
+    from nblaunch.notebook.widgets import (  # not at import: ~12 ms
+        DeferredView,
+        LaunchView,
+        make_view,
+    )
 
     view = make_view(display)
     if isinstance(view, LaunchView):

@@ -3,9 +3,9 @@
 ``%load_ext nblaunch`` calls :func:`register`; ``%unload_ext`` / ``%reload_ext`` call
 :func:`unregister` first. Loading is cheap: torch is imported when a cell runs, not before.
 
-``%%distributed`` turns its cell into a :class:`~nblaunch.cell.CellTask` (see :mod:`nblaunch.cell`)
-and runs it with :func:`~nblaunch.launcher.notebook_launcher`, or, when
-``nblaunch.pool.current_pool()`` returns a pool, on that pool with
+``%%distributed`` turns its cell into a :class:`~nblaunch.rank.cell.CellTask` (see :mod:`nblaunch.notebook.cell`)
+and runs it with :func:`~nblaunch.notebook.launcher.notebook_launcher`, or, when
+``nblaunch.notebook.pool.current_pool()`` returns a pool, on that pool with
 ``pool.run_cell(task, ranks=SPEC_OR_NONE, timeout=..., hang_timeout=...)``, which returns one
 value per rank of the pool (``None`` where the cell did not run) and sets ``task.main_rank``.
 
@@ -28,13 +28,13 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nblaunch.errors import LaunchError
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LOG_LEVELS, START_METHODS, START_NODES
-from nblaunch.worker import import_features
+from nblaunch.rank.worker import import_features
 
 if TYPE_CHECKING:
-    from nblaunch.cell import CellTask
+    from nblaunch.rank.cell import CellTask
 
 # Modules that register %dist sub-commands when imported.
-DIST_FEATURES = ("nblaunch.pool", "nblaunch.doctor")
+DIST_FEATURES = ("nblaunch.notebook.pool", "nblaunch.engine.doctor")
 
 
 @dataclass(frozen=True)
@@ -281,7 +281,7 @@ class DistributedMagics(Magics):
                     task, ranks=args.ranks, timeout=args.timeout, hang_timeout=args.hang_timeout
                 )
             else:
-                from nblaunch.launcher import notebook_launcher
+                from nblaunch.notebook.launcher import notebook_launcher
 
                 results = notebook_launcher(
                     task,
@@ -309,12 +309,12 @@ class DistributedMagics(Magics):
             # a one-line UsageError, like a bad option, without the extension's frames.
             raise UsageError(str(exc)) from None
         except BaseException as exc:
-            from nblaunch.cell import localize_tracebacks
+            from nblaunch.notebook.cell import localize_tracebacks
 
             # Show the cell's frames, not the launcher's, like a cell run in the notebook. No
             # "from None": a cause the cell itself chained (raise ... from ...) stays.
             raise localize_tracebacks(exc, task.filename)  # noqa: B904
-        from nblaunch.cell import finish_cell
+        from nblaunch.notebook.cell import finish_cell
 
         return finish_cell(task, results[task.main_rank], shell.user_ns)
 
@@ -336,7 +336,7 @@ class DistributedMagics(Magics):
 def prepare_cell(
     shell: Any, line: str, cell: str, *, outputs: list[str] | tuple[str, ...] = ()
 ) -> CellTask:
-    """Build the :class:`~nblaunch.cell.CellTask` for a ``%%distributed`` cell.
+    """Build the :class:`~nblaunch.rank.cell.CellTask` for a ``%%distributed`` cell.
 
     The cell is registered with IPython's compiler under a name of its own, as the person
     sees it (the ``%%distributed`` line, then the body), so tracebacks read
@@ -352,7 +352,8 @@ def prepare_cell(
         A name the cell reads cannot be sent to the ranks.
     """
     __tracebackhide__ = True
-    from nblaunch.cell import build_cell_task, parse_cell
+    from nblaunch.notebook.cell import build_cell_task
+    from nblaunch.rank.cell import parse_cell
 
     display = f"%%distributed {line}".rstrip() + "\n" + cell
     number = _cell_number(shell)
@@ -443,7 +444,7 @@ def _refuse_launch_options(args: Any) -> None:
 
 def _current_pool() -> Any:
     """The running pool, if the pool module was loaded and holds one."""
-    pool_module = sys.modules.get("nblaunch.pool")
+    pool_module = sys.modules.get("nblaunch.notebook.pool")
     current = getattr(pool_module, "current_pool", None)
     return current() if current is not None else None
 
@@ -468,12 +469,12 @@ def overview() -> str:
 def _dist_env(line: str) -> None:
     """``%dist env [HOSTFILE]``: the environment report (and a check of the hosts in HOSTFILE)."""
     try:
-        from nblaunch import doctor
+        from nblaunch.engine import doctor
     except ModuleNotFoundError as exc:
-        if exc.name != "nblaunch.doctor":
+        if exc.name != "nblaunch.engine.doctor":
             raise
         raise UsageError(
-            "%dist env: the environment report (nblaunch.doctor) is not available"
+            "%dist env: the environment report (nblaunch.engine.doctor) is not available"
         ) from None
     print(doctor.report(line.strip() or None), end="")
 
@@ -483,29 +484,33 @@ register_dist_command(
     _dist_env,
     "[HOSTFILE]  torch, devices, backends and start methods; what to fix first",
 )
-# The persistent pool's commands (nblaunch.pool_commands), imported when first used: the pool
+# The persistent pool's commands (nblaunch.notebook.pool_commands), imported when first used: the pool
 # itself is imported by `import nblaunch`, before this module, and inside every rank.
 register_dist_command(
     "start",
-    "nblaunch.pool_commands:dist_start",
+    "nblaunch.notebook.pool_commands:dist_start",
     "-n N [--debug] [--start-method M] [--nodes N ...]  ranks that keep their state across cells",
 )
 register_dist_command(
-    "status", "nblaunch.pool_commands:dist_status", "the pool's ranks, pids, memory"
+    "status", "nblaunch.notebook.pool_commands:dist_status", "the pool's ranks, pids, memory"
 )
-register_dist_command("restart", "nblaunch.pool_commands:dist_restart", "fresh ranks, same options")
-register_dist_command("stop", "nblaunch.pool_commands:dist_stop", "stop the pool's ranks")
 register_dist_command(
-    "debug", "nblaunch.pool_commands:dist_debug", "[--rank R]  post-mortem of the last failed cell"
+    "restart", "nblaunch.notebook.pool_commands:dist_restart", "fresh ranks, same options"
+)
+register_dist_command("stop", "nblaunch.notebook.pool_commands:dist_stop", "stop the pool's ranks")
+register_dist_command(
+    "debug",
+    "nblaunch.notebook.pool_commands:dist_debug",
+    "[--rank R]  post-mortem of the last failed cell",
 )
 register_dist_command(
     "pull",
-    "nblaunch.pool_commands:dist_pull",
+    "nblaunch.notebook.pool_commands:dist_pull",
     "NAME [--rank R]  a rank's variable, copied to the notebook",
 )
 register_dist_command(
     "push",
-    "nblaunch.pool_commands:dist_push",
+    "nblaunch.notebook.pool_commands:dist_push",
     "NAME [--ranks R]  a notebook variable, sent to the ranks",
 )
 

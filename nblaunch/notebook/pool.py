@@ -5,7 +5,7 @@ process group. Every ``%%distributed`` cell, or :meth:`Pool.run` call, is then o
 to those same ranks, so a model built in one cell is still there in the next one, and a cell
 costs a few milliseconds instead of a launch.
 
-The pool is a :class:`~nblaunch.run.Run` that runs many tasks: the same supervisor, relay,
+The pool is a :class:`~nblaunch.engine.run.Run` that runs many tasks: the same supervisor, relay,
 root-cause logic and live view as a one-shot launch. What it adds is what happens *between*
 tasks:
 
@@ -35,7 +35,11 @@ import time
 import warnings
 from typing import Any
 
-from nblaunch import debugger, pickling, worker
+from nblaunch import pickling
+from nblaunch.engine.plan import plan_launch, serialize_payload
+from nblaunch.engine.run import Run
+from nblaunch.engine.supervisor import reap_let_go
+from nblaunch.engine.verdict import Cause, RootCause, add_note, recreate_exception
 from nblaunch.errors import LaunchError, describe_exit
 from nblaunch.events import NullView, RunState, diagnosis
 from nblaunch.options import (
@@ -44,10 +48,7 @@ from nblaunch.options import (
     LaunchOptions,
     NodeOptions,
 )
-from nblaunch.plan import plan_launch, serialize_payload
-from nblaunch.run import Run
-from nblaunch.supervisor import reap_let_go
-from nblaunch.verdict import Cause, RootCause, add_note, recreate_exception
+from nblaunch.rank import debugger, worker
 
 # How long the ranks of an interrupted or failed task get to come back before the pool restarts.
 INTERRUPT_WAIT_S = 3.0
@@ -391,14 +392,14 @@ class Pool:
         hang_timeout: float | None = None,
         display: str | None = None,
     ) -> list[Any]:
-        """Run a ``%%distributed`` cell (a :class:`~nblaunch.cell.CellTask`) on the pool.
+        """Run a ``%%distributed`` cell (a :class:`~nblaunch.rank.cell.CellTask`) on the pool.
 
         Each rank runs the cell in its :func:`rank_namespace`, so names persist between cells.
 
         Parameters
         ----------
         task
-            The cell, from :func:`nblaunch.magics.prepare_cell`.
+            The cell, from :func:`nblaunch.notebook.magics.prepare_cell`.
         ranks
             ``--ranks``: ``"0"``, ``"0,2"``, ``"1-3"`` (default: every rank). The lowest chosen
             rank's last expression and ``-o`` values come back.
@@ -443,7 +444,7 @@ class Pool:
         Parameters
         ----------
         payload
-            From :func:`~nblaunch.plan.serialize_payload`.
+            From :func:`~nblaunch.engine.plan.serialize_payload`.
         ranks
             The ranks to run on (default all); values come back in rank order.
         description
@@ -462,7 +463,7 @@ class Pool:
         KeyboardInterrupt
             The task was interrupted; the ranks are ready for the next one.
         """
-        from nblaunch.widgets import DeferredView, make_view
+        from nblaunch.notebook.widgets import DeferredView, make_view
 
         self._check_usable()
         task_ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
@@ -606,7 +607,7 @@ class Pool:
 
     def _plan_nodes(self) -> Any:
         """The plan of this node of a multi-node pool (node 0)."""
-        from nblaunch import multinode  # not at import: ~10 ms
+        from nblaunch.cluster import multinode  # not at import: ~10 ms
 
         assert self.nodes is not None
         plan = multinode.plan_nodes(_pool_task, self.num_processes, self.options, self.nodes, True)
@@ -618,7 +619,7 @@ class Pool:
         """The engine: this machine's ranks, or with the other nodes once they all joined."""
         if self.nodes is None:
             return Run(plan, NullView())
-        from nblaunch import multinode
+        from nblaunch.cluster import multinode
 
         head = multinode.Head(plan, NullView(), secret=self._secret)
         self._secret = head.secret
@@ -940,7 +941,7 @@ def run_cell_on_rank(task: Any) -> Any:
 
 def _pull_value(name: str) -> Any:
     """On a rank: the value of ``name`` in its namespace, ready for the notebook."""
-    from nblaunch.cell import to_notebook
+    from nblaunch.rank.cell import to_notebook
 
     if name not in _namespace:
         defined = ", ".join(n for n in sorted(_namespace) if not n.startswith("_")) or "none"

@@ -1,7 +1,7 @@
 """The ``%dist`` commands of the persistent pool: start, stop, restart, status, debug, pull,
-push (registered with :func:`nblaunch.magics.register_dist_command`, imported when first used).
+push (registered with :func:`nblaunch.notebook.magics.register_dist_command`, imported when first used).
 
-Each parses its line, drives :class:`nblaunch.pool.Pool`, and turns a ``LaunchError`` into
+Each parses its line, drives :class:`nblaunch.notebook.pool.Pool`, and turns a ``LaunchError`` into
 IPython's one-line ``UsageError``.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from nblaunch.errors import LaunchError
+from nblaunch.notebook.pool import Pool, current_pool, parse_ranks, start_pool
 from nblaunch.options import DEVICE_TYPES, START_METHODS, START_NODES
-from nblaunch.pool import Pool, current_pool, parse_ranks, start_pool
 
 # The options of a pool on several machines (start_pool's names).
 NODE_OPTIONS = ("rdzv_endpoint", "rdzv_timeout", "rdzv_id", "start_nodes", "hostfile")

@@ -26,7 +26,7 @@ import time
 from typing import Any, TextIO
 
 from nblaunch.events import Event, NullView, RunState
-from nblaunch.metrics import MetricSeries, render_svg
+from nblaunch.notebook.charts import MetricSeries, render_svg
 from nblaunch.options import DISPLAY_MODES
 
 # Lines a LaunchView keeps on screen per rank; NBLAUNCH_VIEW_LINES changes it.
@@ -136,7 +136,7 @@ class RecordingView:
     """Keeps every event it is given, in order: a view for tests and for code that inspects a run.
 
     ``notebook_launcher``'s views are chosen by ``display=``; pass this one to
-    ``nblaunch.run.Run(plan, RecordingView())`` to see exactly what a view would have shown.
+    ``nblaunch.engine.run.Run(plan, RecordingView())`` to see exactly what a view would have shown.
     """
 
     def __init__(self) -> None:

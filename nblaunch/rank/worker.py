@@ -28,14 +28,10 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nblaunch import containment
 from nblaunch.errors import safe_str
-from nblaunch.events import Event, Failure
+from nblaunch.events import SETUP, STOP, Event, Failure
+from nblaunch.rank import containment
 
-# Message kinds the parent sends down the task pipe.
-SETUP = "setup"
-TASK = "task"
-STOP = "stop"
 # After a rank hung up, how long its exit may wait for threads the user's code left running.
 EXIT_AFTER_HANG_UP_S = 1.0
 
@@ -62,11 +58,11 @@ _channel: _Channel | None = None
 _tree_marker: str | None = None  # see containment.TREE_ENV
 # Modules imported in every rank at setup; each registers its task hooks (see add_task_hook).
 RANK_FEATURES = (
-    "nblaunch.logging",
-    "nblaunch.ops",
-    "nblaunch.memory",
-    "nblaunch.watchdog",
-    "nblaunch.debugger",
+    "nblaunch.rank.logging",
+    "nblaunch.rank.ops",
+    "nblaunch.rank.memory",
+    "nblaunch.rank.heartbeat",
+    "nblaunch.rank.debugger",
 )
 # Hooks other modules register to run around each task (debug patches, heartbeats, logging).
 _task_hooks: list[Callable[[RankContext], contextlib.AbstractContextManager[Any]]] = []
@@ -149,7 +145,7 @@ def main(
         even though its parent process may be a forkserver.
     semaphore_dir
         Where this rank notes its multiprocessing semaphores, so that the supervisor can
-        release those it leaves when it is killed (:mod:`nblaunch.semaphores`).
+        release those it leaves when it is killed (:mod:`nblaunch.rank.semaphores`).
     tree_marker
         The run's value of ``containment.TREE_ENV``, inherited by whatever the rank starts.
     """
@@ -160,13 +156,13 @@ def main(
     with contextlib.suppress(OSError):
         os.setpgrp()
     # Whatever the rank starts stays in its tree, even a daemon's double fork, so that it can
-    # be ended with the rank (nblaunch.containment).
+    # be ended with the rank (nblaunch.rank.containment).
     containment.become_subreaper()
     # The launcher sends SIGINT to interrupt a task: make it a KeyboardInterrupt here.
     signal.signal(signal.SIGINT, _on_sigint)
     _redirect_output(stdout_w, stderr_w)
     _watch_launcher(launcher_pid)
-    from nblaunch import semaphores
+    from nblaunch.rank import semaphores
 
     semaphores.track(semaphore_dir)
     _channel = _Channel(conn)
@@ -315,7 +311,7 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
         )
         import_features()
         if setup["init_process_group"]:
-            from nblaunch import default_group
+            from nblaunch.rank import default_group
 
             # Also takes over init_process_group, so code that makes its own group works.
             default_group.set_up(
@@ -355,7 +351,7 @@ def _rendezvous_store(rank: int, world_size: int) -> Any:
     port = int(os.environ["MASTER_PORT"])
     timeout = datetime.timedelta(minutes=30)
     if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Multi-node runs: the notebook node hosts the store (nblaunch.multinode), as
+        # Multi-node runs: the notebook node hosts the store (nblaunch.cluster.multinode), as
         # torchrun's agent does; every rank, rank 0 included, is a client.
         return dist.TCPStore(address, port, world_size, False, timeout)
     listener = socket.create_server((address, port), reuse_port=False)
@@ -416,7 +412,7 @@ def _run_task(message: dict[str, Any]) -> None:
             for hook in _task_hooks:
                 hooks.enter_context(hook(_context))
             if message.get("all_ranks", True):  # only every rank at once can make a group
-                from nblaunch import default_group
+                from nblaunch.rank import default_group
 
                 # The previous task may have destroyed it; inside the hooks, so a rank that
                 # waits here for a peer that never comes shows in its heartbeats.
@@ -480,7 +476,8 @@ def _pickle_exception(exc: BaseException) -> bytes | None:
 
 def _innermost_user_frame(exc: BaseException) -> str:
     """The deepest traceback frame outside nblaunch, torch and the standard library."""
-    skip = (os.path.dirname(__file__), os.path.dirname(os.__file__))
+    nblaunch_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip = (nblaunch_dir, os.path.dirname(os.__file__))
     where = ""
     for frame in traceback.extract_tb(exc.__traceback__):
         if not frame.filename.startswith(skip) and "/torch/" not in frame.filename:
@@ -489,7 +486,7 @@ def _innermost_user_frame(exc: BaseException) -> str:
 
 
 def _tear_down() -> None:
-    from nblaunch import default_group
+    from nblaunch.rank import default_group
 
     default_group.tear_down()  # also when the user destroyed the group already; never raises
 

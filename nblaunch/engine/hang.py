@@ -1,0 +1,508 @@
+"""The hang watchdog in the notebook: stops runs that can never finish, names stragglers.
+
+:class:`HangMonitor` reads the heartbeats the ranks send (:mod:`nblaunch.rank.heartbeat`) and
+stops a run that can never finish, with a :class:`~nblaunch.errors.DistributedHangError` that
+names the rank and line:
+
+* a rank returned while another waits in a collective it never called (ranks left a loop at
+  different steps): reported about a second after the rank returned;
+* nothing moved on any rank for ``hang_timeout`` seconds while ranks wait in collectives:
+  every rank's position and stack, and the rank outside any collective that the others wait
+  for, if there is one.
+
+Ranks that wait for a while are marked ``STALLED`` in the view first, and a rank that makes
+the others wait (a straggler) is named in an info ``Diagnosis``, live and at the end.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nblaunch.engine.verdict import Cause, RootCause
+from nblaunch.errors import DistributedHangError, RankFailedError
+from nblaunch.events import Heartbeat, RunState, diagnosis
+from nblaunch.rank import process_groups
+
+# Parent side: a rank returned while another waits in a collective. With sequence numbers the
+# hang is certain and is reported this long after the return; without, the waiting rank must
+# have been still this long after it.
+FINISHED_GRACE_S = 1.0
+FINISHED_GRACE_UNSURE_S = 2.0
+# Mark a rank STALLED after it waited this long in one collective (or hang_timeout / 2).
+STALL_AFTER_S = 5.0
+# A rank without a heartbeat for this long is reported as silent.
+SILENT_AFTER_S = 5.0
+# Straggler: the others wait at least this share of the time more than the slowest rank, and
+# every rank has run at least this long.
+STRAGGLER_MIN_EXCESS = 0.2
+STRAGGLER_MIN_BUSY_S = 2.0
+STRAGGLER_CHECK_S = 2.0
+
+if TYPE_CHECKING:
+    from nblaunch.engine.plan import LaunchPlan
+    from nblaunch.engine.run import Run
+
+
+@dataclass
+class _Beat:
+    event: Heartbeat
+    received: float  # time.monotonic() in the parent
+
+    @property
+    def in_collective(self) -> bool:
+        return self.event["collective"] is not None
+
+    def waiting_for(self) -> tuple[str, int | None]:
+        """The process group and number of the collective this rank waits in."""
+        in_flight = self.event.get("in_flight")
+        if in_flight:
+            return in_flight["group"], in_flight["seq"]
+        return process_groups.DEFAULT_GROUP, self.event["seq"]
+
+    def issued(self, group: str) -> int | None:
+        """How many collectives this rank had issued on ``group`` at this heartbeat."""
+        groups = self.event.get("groups") or {}
+        if group in groups:
+            return groups[group]
+        return self.event["seq"] if group == process_groups.DEFAULT_GROUP else None
+
+    def position(self) -> str:
+        event = self.event
+        where = with_source(event["where"])
+        if event["collective"]:
+            group, seq = self.waiting_for()
+            number = f"collective #{seq}" if seq else ""
+            in_flight = event.get("in_flight")
+            if number and group != process_groups.DEFAULT_GROUP:
+                desc = (in_flight or {}).get("group_desc") or group
+                number += f" of subgroup {desc}"
+            if in_flight and in_flight.get("shapes"):
+                number += f", shapes {in_flight['shapes']}"
+            number = f" ({number})" if number else ""
+            return f"in {event['collective']}{number} at {where}"
+        return f"at {where} (outside any collective)"
+
+
+_WHERE = re.compile(r"^(.+):(\d+) in (.+)$")
+
+
+def with_source(where: str) -> str:
+    """``"train.py:9 in train"`` with the line's source added when the parent can read it
+    (a notebook cell's lines are in the kernel's line cache, a script's in its file)."""
+    import linecache
+
+    match = _WHERE.match(where)
+    if not match:
+        return where
+    source = linecache.getline(match.group(1), int(match.group(2))).strip()
+    return f"{where}: `{source}`" if source else where
+
+
+class HangMonitor:
+    """Stops runs whose ranks wait in collectives that can never complete; names stragglers.
+
+    A ``Monitor`` for :class:`nblaunch.engine.run.Run`: ``on_event`` sees every rank event,
+    ``check`` is called about 20 times a second and returns a root cause to stop the run.
+
+    Parameters
+    ----------
+    plan
+        The launch plan: world size, ``hang_timeout`` (``None``: only the certain case, a rank
+        that returned while others wait, is reported) and debug mode.
+    """
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.world_size = plan.world_size
+        self.hang_timeout = plan.hang_timeout
+        self.beats: dict[int, _Beat] = {}
+        self.returned: dict[int, float] = {}  # rank -> when its Result arrived
+        self.final_seq: dict[int, int | None] = {}
+        self.final_beat: dict[int, _Beat | None] = {}  # each returned rank's last heartbeat
+        self.exited: set[int] = set()  # returned ranks whose task ended with sys.exit(0)
+        self.stalled: set[int] = set()
+        self.straggler: tuple[int, float] | None = None
+        self._straggler_checked = 0.0
+        self._published_straggler: int | None = None
+        self._done = False
+        stall = STALL_AFTER_S
+        if self.hang_timeout is not None:
+            stall = min(stall, self.hang_timeout / 2)
+        self.stall_after = stall
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def on_event(self, run: Run, event: dict[str, Any]) -> None:
+        kind = event["kind"]
+        if kind == "heartbeat":
+            self.beats[event["rank"]] = _Beat(event, time.monotonic())  # type: ignore[arg-type]
+        elif kind == "result":
+            rank = event["rank"]
+            self.returned[rank] = time.monotonic()
+            if event.get("called_exit"):
+                self.exited.add(rank)
+            beat = self.beats.get(rank)
+            self.final_seq[rank] = beat.event["seq"] if beat else None
+            self.final_beat[rank] = beat
+            self._unstall(run, rank)
+            if all(r in self.returned for r in self.beats):  # every rank of the task returned
+                self._publish_straggler(run, final=True)
+
+    def check(self, run: Run) -> RootCause | None:
+        if self._done:
+            return None
+        now = time.monotonic()
+        self._mark_stalls(run, now)
+        # A stalled rank is the stronger signal; a straggler report would only distract.
+        if not self.stalled and now - self._straggler_checked >= STRAGGLER_CHECK_S:
+            self._straggler_checked = now
+            self._publish_straggler(run, final=False)
+        root = self._returned_while_waiting(run, now) or self._no_progress(run, now)
+        if root is not None:
+            self._done = True
+        return root
+
+    # --- the pieces ------------------------------------------------------------------------------
+
+    def _running(self, run: Run) -> list[int]:
+        """Ranks running a task: they sent heartbeats and have not finished. A rank without
+        heartbeats takes no part (a persistent pool may run a cell on some ranks only)."""
+        finished = run.outcome.finished
+        return sorted(r for r in self.beats if r not in self.returned and r not in finished)
+
+    def _still_since(self, run: Run, rank: int, now: float) -> float | None:
+        """Parent time since which ``rank`` has not moved, or None when it never reported."""
+        beat = self.beats.get(rank)
+        if beat is None:
+            return None
+        since = beat.received - beat.event["still_s"]
+        relay = getattr(run, "relay", None)
+        last_output = relay.last_output.get(rank) if relay is not None else None
+        if last_output:  # any output (C-level too) counts as progress
+            since = max(since, now - max(0.0, time.time() - last_output))
+        return since
+
+    def _known_still(self, run: Run, rank: int, now: float) -> float | None:
+        """How long ``rank`` is known to have been still: up to its last heartbeat, or up to
+        now when its heartbeats stopped (a task thread holding the GIL, a stopped process)."""
+        since = self._still_since(run, rank, now)
+        if since is None:
+            return None
+        beat = self.beats[rank]
+        until = now if now - beat.received >= SILENT_AFTER_S else beat.received
+        return until - since
+
+    def _mark_stalls(self, run: Run, now: float) -> None:
+        for rank in self._running(run):
+            beat = self.beats.get(rank)
+            since = self._still_since(run, rank, now)
+            waiting = beat is not None and beat.in_collective and since is not None
+            if waiting and now - since >= self.stall_after:
+                self._stall(run, rank, beat)
+            elif rank in self.stalled:
+                self._unstall(run, rank)
+
+    def _stall(self, run: Run, rank: int, beat: _Beat) -> None:
+        if rank in self.stalled or run.states.get(rank) != RunState.RUNNING:
+            return
+        self.stalled.add(rank)
+        detail = cell_names(f"waiting in {beat.event['collective']} at {beat.event['where']}")
+        run.set_state(rank, RunState.STALLED, detail)
+
+    def _unstall(self, run: Run, rank: int) -> None:
+        if rank in self.stalled:
+            self.stalled.discard(rank)
+            if run.states.get(rank) == RunState.STALLED:
+                run.set_state(rank, RunState.RUNNING)
+
+    def _returned_while_waiting(self, run: Run, now: float) -> RootCause | None:
+        """A rank returned; another waits in a collective the returned rank never called."""
+        if not self.returned:
+            return None
+        last_return = max(self.returned.values())
+        waiting: list[int] = []
+        for rank in self._running(run):
+            beat = self.beats.get(rank)
+            if beat is None or not beat.in_collective or beat.received <= last_return:
+                continue
+            group, seq = beat.waiting_for()
+            finals = [self._final_issued(r, group) for r in self.returned]
+            if seq is not None and all(s is not None for s in finals):
+                # Sequence numbers tell for sure: the returned ranks never issued this one.
+                if seq > min(finals) and now - last_return >= FINISHED_GRACE_S:  # type: ignore[type-var]
+                    waiting.append(rank)
+            else:
+                since = self._still_since(run, rank, now)
+                if (
+                    since is not None
+                    and since <= last_return
+                    and now - last_return >= FINISHED_GRACE_UNSURE_S
+                ):
+                    waiting.append(rank)
+        if not waiting:
+            return None
+        for rank in waiting:
+            self._stall(run, rank, self.beats[rank])
+        returned = sorted(self.returned, key=self.returned.get)  # type: ignore[arg-type]
+        first = returned[0]
+        n = self.world_size
+        done_text = ", ".join(
+            f"rank {r} {'exited' if r in self.exited else 'returned'} after "
+            f"{self._count(self.final_seq.get(r))}"
+            for r in returned
+        )
+        wait_text = "; ".join(
+            f"rank {r} waits {self.beats[r].position()} "
+            f"for {now - (self._still_since(run, r, now) or now):.1f} s"
+            for r in waiting
+        )
+        left = "called sys.exit(0)" if first in self.exited else "returned"
+        headline = (
+            f"rank {first} of {n} {left} while {_rank_words(waiting)} "
+            f"{'waits' if len(waiting) == 1 else 'wait'} in a collective it never called"
+        )
+        message = (
+            f"{headline}: {done_text}; {wait_text}.\n"
+            "Ranks left the loop at different steps (early stopping, a `break`, or uneven data "
+            "on one rank): every rank must call the same collectives. Decide together: call "
+            "set_trigger() on the rank that wants to stop and `if check_trigger(): break` on "
+            "every rank."
+        )
+        if any(str(self.beats[r].event["collective"]).startswith("DDP") for r in waiting):
+            message += (
+                " For data that does not split evenly, give every rank the same number of "
+                "batches (DistributedSampler(drop_last=True)) or wrap the loop in DDP's "
+                "`with model.join():`."
+            )
+        return self._root(run, first, headline, message, now, exited=first in self.exited)
+
+    def _no_progress(self, run: Run, now: float) -> RootCause | None:
+        """Nothing moved for ``hang_timeout`` seconds and some rank waits in a collective."""
+        if self.hang_timeout is None:
+            return None
+        running = self._running(run)
+        if not running:
+            return None
+        last_return = max(self.returned.values(), default=float("-inf"))
+        stills: dict[int, float] = {}
+        for rank in running:
+            beat = self.beats[rank]
+            if beat.received <= last_return and now - beat.received < SILENT_AFTER_S:
+                return None  # a rank returned since: its peers may be on their way out too
+            still = self._known_still(run, rank, now)
+            if still is None or still < self.hang_timeout:
+                return None
+            stills[rank] = still
+        waiting = [r for r in running if self.beats[r].in_collective]
+        if not waiting:
+            return None  # no collective involved: a long computation, not a distributed hang
+        outside = [r for r in running if r not in waiting]
+        for rank in waiting:
+            self._stall(run, rank, self.beats[rank])
+        n = self.world_size
+        timeout = f"{self.hang_timeout:g}"
+        lines = [f"  rank {r}: {self._describe(r, now, stills[r])}" for r in running]
+        lines += [
+            f"  rank {r}: returned after {self._count(self.final_seq.get(r))}"
+            for r in sorted(self.returned)
+        ]
+        if outside:
+            culprit = outside[0]
+            headline = (
+                f"rank {culprit} of {n} is stuck at {self.beats[culprit].event['where']} "
+                f"outside any collective, while {_rank_words(waiting)} "
+                f"{'waits' if len(waiting) == 1 else 'wait'} for it"
+            )
+            why = (
+                f"Nothing moved for {timeout} s (hang_timeout). The waiting ranks are in a "
+                f"collective that {_rank_words(outside)} never reached: a rank blocked in I/O, "
+                "a lock, a sleep or a loop that does not end, or a collective skipped on one "
+                "rank under an `if`."
+            )
+        else:
+            culprit = min(waiting)
+            headline = (
+                f"{_rank_words(waiting)} of {n} waited in collectives for {timeout} s with "
+                "no progress"
+            )
+            why = f"Nothing moved for {timeout} s (hang_timeout). " + self._mismatch(waiting)
+        # The launcher adds the debug-mode hint (debug=True) to every error that happened
+        # inside a collective while debug mode was off.
+        why += " Pass a larger hang_timeout= if the ranks were only slow."
+        message = f"{headline}.\n" + "\n".join(lines) + "\n" + why
+        return self._root(run, culprit, headline, message, now)
+
+    def _mismatch(self, waiting: list[int]) -> str:
+        names = {self.beats[r].event["collective"] for r in waiting}
+        seqs = {self.beats[r].event["seq"] for r in waiting}
+        if len(names) > 1:
+            return (
+                "The ranks wait in different collectives: they called collectives in a "
+                "different order or a different number of times."
+            )
+        if len(seqs) > 1 and None not in seqs:
+            return (
+                "The ranks wait in different calls of the same collective (see their collective "
+                "numbers): one rank called it more times than another."
+            )
+        return (
+            "All ranks wait in the same collective: check that they pass tensors of the same "
+            "shape and dtype, and that no peer process is blocked outside Python."
+        )
+
+    def _describe(self, rank: int, now: float, still: float) -> str:
+        beat = self.beats[rank]
+        text = f"{beat.position()}, no progress for {still:.0f} s"
+        silent = now - beat.received
+        if silent >= SILENT_AFTER_S:
+            text += (
+                f"; no heartbeat for {silent:.0f} s (its task thread holds the GIL in C code, "
+                "or the process is stopped)"
+            )
+        return text
+
+    def _final_issued(self, rank: int, group: str) -> int | None:
+        beat = self.final_beat.get(rank)
+        if beat is None:
+            return self.final_seq.get(rank) if group == process_groups.DEFAULT_GROUP else None
+        return beat.issued(group)
+
+    @staticmethod
+    def _count(seq: int | None) -> str:
+        if seq is None:
+            return "its last collective"
+        return f"{seq} collective{'s' if seq != 1 else ''}"
+
+    def _root(
+        self, run: Run, rank: int, headline: str, message: str, now: float, exited: bool = False
+    ) -> dict[str, Any]:
+        """The hang as the run's root cause. ``exited``: ``rank`` left with ``sys.exit(0)``,
+        which makes it that rank's failure (``RankFailedError``), never a ``SystemExit``."""
+        stacks = {r: beat.event["stack"] for r, beat in sorted(self.beats.items())}
+        blocks = []
+        for r in self._running(run):
+            beat = self.beats.get(r)
+            if beat is not None and beat.event["stack"]:
+                blocks.append(f"--- rank {r}: {beat.position()} ---\n{beat.event['stack']}")
+        full = message
+        if blocks:
+            full += "\n\nStacks (most recent call last):\n" + "\n\n".join(blocks)
+        headline = cell_names(headline)
+        if exited:
+            exception: Exception = RankFailedError(
+                cell_names(full), rank=rank, world_size=self.world_size, exitcode=0
+            )
+        else:
+            stacks = {r: cell_names(text) for r, text in stacks.items()}
+            exception = DistributedHangError(cell_names(full), stacks=stacks)
+        return RootCause(Cause.HANG, rank, headline, exception=exception, title=headline)
+
+    # --- stragglers ------------------------------------------------------------------------------
+
+    def _publish_straggler(self, run: Run, *, final: bool) -> None:
+        found = find_straggler(
+            {r: (b.event["wait_s"], b.event["busy_s"]) for r, b in self.beats.items()}
+        )
+        self.straggler = found
+        if found is None:
+            return
+        rank, excess = found
+        if not final and rank == self._published_straggler:
+            return
+        self._published_straggler = rank
+        verb = "was" if final else "is"
+        title = f"rank {rank} {verb} the slowest: the others wait {excess:.0%} of the time for it"
+        shares = "\n".join(
+            f"  rank {r}: waiting in collectives {b.event['wait_s']:.1f} s of "
+            f"{b.event['busy_s']:.1f} s ({_share(b.event['wait_s'], b.event['busy_s']):.0%})"
+            for r, b in sorted(self.beats.items())
+        )
+        body = (
+            f"{shares}\nRank {rank} computes while the others wait for it in collectives: "
+            "a slower device, more data on that rank, or work only that rank does."
+        )
+        run.publish(diagnosis(title, body, "info", rank))
+
+
+def find_straggler(stats: dict[int, tuple[float, float]]) -> tuple[int, float] | None:
+    """The rank the others wait for, and how much more of their time they wait than it does.
+
+    Parameters
+    ----------
+    stats
+        Rank -> (seconds waiting inside collectives, seconds of the task so far).
+
+    Returns
+    -------
+    tuple or None
+        ``(rank, excess)`` where ``excess`` is the others' mean waiting share minus the
+        slowest rank's; ``None`` with fewer than two ranks, too little time, or no clear
+        straggler.
+    """
+    if len(stats) < 2 or any(busy < STRAGGLER_MIN_BUSY_S for _, busy in stats.values()):
+        return None
+    shares = {rank: _share(wait, busy) for rank, (wait, busy) in stats.items()}
+    slowest = min(shares, key=shares.get)  # type: ignore[arg-type]
+    others = [share for rank, share in shares.items() if rank != slowest]
+    excess = sum(others) / len(others) - shares[slowest]
+    if excess < STRAGGLER_MIN_EXCESS:
+        return None
+    return slowest, excess
+
+
+def cell_names(text: str) -> str:
+    """Show the notebook's cell files as IPython does ("Cell In[5]") instead of their temp paths.
+
+    Functions defined in a notebook cell carry a file name like ``/tmp/ipykernel_1/123.py``;
+    the kernel running this launch knows which cell each such file holds.
+    """
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    names = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if not names:
+        return text
+    shown = [name for name in names if isinstance(name, str) and name in text]
+    if shown:
+        text = _add_cell_source(text, set(shown))
+    for filename in shown:
+        text = text.replace(filename, f"Cell In[{names[filename]}]")
+    return text
+
+
+_FILE_LINE = re.compile(r'^(\s*)File "(.+)", line (\d+), in ')
+
+
+def _add_cell_source(stack: str, cells: set[str]) -> str:
+    """Put the source line under each frame of a notebook cell: the rank had no copy of the
+    cell's text, the kernel's line cache has it."""
+    import linecache
+
+    lines = stack.split("\n")
+    out = []
+    for index, line in enumerate(lines):
+        out.append(line)
+        match = _FILE_LINE.match(line)
+        if not match or match.group(2) not in cells:
+            continue
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        if following.startswith(match.group(1) + "  ") and not _FILE_LINE.match(following):
+            continue  # the source line is already there
+        source = linecache.getline(match.group(2), int(match.group(3))).strip()
+        if source:
+            out.append(f"{match.group(1)}  {source}")
+    return "\n".join(out)
+
+
+def _share(wait: float, busy: float) -> float:
+    return min(1.0, wait / busy) if busy > 0 else 0.0
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks))
+
+
+def _rank_words(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
