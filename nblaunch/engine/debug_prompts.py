@@ -32,7 +32,7 @@ def ask(rank: int, output: str, prompt: str) -> str:
 
 
 class DebugPrompts:
-    """The notebook's side of ranks' debuggers (a :class:`nblaunch.engine.features.Monitor`): asks
+    """The notebook's side of ranks' debuggers (a :class:`nblaunch.engine.monitor.Monitor`): asks
     the person for each prompt and sends the answer down the rank's pipe; shows who waits."""
 
     def __init__(self, plan: Any) -> None:

@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 from nblaunch.engine import spares, verdict
-from nblaunch.engine.features import Monitor, parent_monitors
+from nblaunch.engine.features import parent_monitors
+from nblaunch.engine.monitor import Monitor
 from nblaunch.engine.plan import LaunchPlan, choose_port
 from nblaunch.engine.relay import Relay
 from nblaunch.engine.supervisor import Supervisor, signal_pid
