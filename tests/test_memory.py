@@ -14,6 +14,7 @@ import torch
 from conftest import rank_children, wait_until
 
 import nblaunch
+from nblaunch.engine import batch_size
 from nblaunch.engine.batch_size import BatchSizeMonitor
 from nblaunch.engine.plan import plan_launch, serialize_payload
 from nblaunch.engine.run import Run
@@ -396,6 +397,10 @@ class _FakeRun:
     def __init__(self) -> None:
         self.outcome = types.SimpleNamespace(finished=set(), results={}, failures=[])
         self.task_ranks = [0, 1]
+        self.clock = 100.0
+
+    def now(self) -> float:
+        return self.clock
 
 
 def _waiting_event(rank=1, batch_size=128):
@@ -436,7 +441,7 @@ def test_monitor_restarts_when_a_peer_sits_in_a_collective():
 
 
 def test_monitor_waits_for_a_busy_peer_and_clears_after_agreement(monkeypatch):
-    monkeypatch.setattr(memory, "STUCK_WITHOUT_HEARTBEAT_S", 0.0)
+    monkeypatch.setattr(batch_size, "STUCK_WITHOUT_HEARTBEAT_S", 0.0)
     monitor, run = BatchSizeMonitor(_FakePlan()), _FakeRun()
     monitor.on_event(run, _waiting_event())
     for _ in range(5):
@@ -450,12 +455,12 @@ def test_monitor_waits_for_a_busy_peer_and_clears_after_agreement(monkeypatch):
     assert monitor.check(run) is None  # nobody waits any more
 
 
-def test_monitor_without_heartbeats_restarts_after_a_while(monkeypatch):
-    monkeypatch.setattr(memory, "STUCK_WITHOUT_HEARTBEAT_S", 0.2)
+def test_monitor_without_heartbeats_restarts_after_a_while():
     monitor, run = BatchSizeMonitor(_FakePlan()), _FakeRun()
     monitor.on_event(run, _waiting_event(batch_size=1))
+    run.clock += batch_size.STUCK_WITHOUT_HEARTBEAT_S - 0.1
     assert monitor.check(run) is None
-    time.sleep(0.3)
+    run.clock += 0.2
     root = monitor.check(run)  # next size would be 0: no restart, the error instead
     assert isinstance(root.exception, NoExecutableBatchSizeError)
     assert "tried 1" in root.message

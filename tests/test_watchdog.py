@@ -14,7 +14,6 @@ from nblaunch import DistributedHangError, notebook_launcher
 from nblaunch.engine import hang
 from nblaunch.engine.hang import HangMonitor, find_straggler
 from nblaunch.events import RunState
-from nblaunch.rank import heartbeat as watchdog
 from nblaunch.rank.heartbeat import HeartbeatThread, read_position
 
 
@@ -185,8 +184,16 @@ class FakeRun:
     def __init__(self, world_size=2):
         self.outcome = SimpleNamespace(finished=set(), results={})
         self.states = dict.fromkeys(range(world_size), RunState.RUNNING)
-        self.relay = SimpleNamespace(last_output={})
+        self.last_output = {}  # rank -> clock time of its last output
         self.published = []
+        self.clock = 100.0
+
+    def now(self):
+        return self.clock
+
+    def seconds_since_output(self, rank):
+        last = self.last_output.get(rank)
+        return None if last is None else self.now() - last
 
     def set_state(self, rank, state, detail=""):
         self.states[rank] = state
@@ -222,10 +229,10 @@ def returns(hang, run, rank, seq):
     run.outcome.finished.add(rank)
 
 
-def test_monitor_reports_a_rank_that_returned_while_another_waits(monkeypatch):
+def test_monitor_reports_a_rank_that_returned_while_another_waits():
     hang, run = monitor(), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
+    run.now = lambda: clock[0]
     returns(hang, run, 1, seq=4)
     clock[0] += 0.5
     hang.on_event(run, beat(0, collective="all_reduce", seq=5, still=0.5))
@@ -241,24 +248,24 @@ def test_monitor_reports_a_rank_that_returned_while_another_waits(monkeypatch):
     assert run.states[0] == RunState.STALLED
 
 
-def test_monitor_does_not_blame_a_returned_rank_for_a_collective_it_took_part_in(monkeypatch):
+def test_monitor_does_not_blame_a_returned_rank_for_a_collective_it_took_part_in():
     # seq 4 <= 4: the returned rank issued that collective (the waiting rank is only slow to
     # leave it, or it is a subgroup collective): not a certain hang.
     hang, run = monitor(), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
+    run.now = lambda: clock[0]
     returns(hang, run, 1, seq=4)
     clock[0] += 3.0
     hang.on_event(run, beat(0, collective="all_reduce", seq=4, still=3.0))
     assert hang.check(run) is None
 
 
-def test_monitor_without_sequence_numbers_waits_a_little_longer(monkeypatch):
+def test_monitor_without_sequence_numbers_waits_a_little_longer():
     # A backend that does not count collectives: the waiting rank must stay still for 2 s after
     # the other returned.
     hang, run = monitor(), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
+    run.now = lambda: clock[0]
     hang.on_event(run, beat(0, collective="barrier", still=0.5))
     returns(hang, run, 1, seq=None)
     clock[0] += 1.5
@@ -271,10 +278,10 @@ def test_monitor_without_sequence_numbers_waits_a_little_longer(monkeypatch):
     assert "rank 1 returned after its last collective" in str(root.exception)
 
 
-def test_monitor_waits_for_hang_timeout_and_names_the_rank_outside_collectives(monkeypatch):
+def test_monitor_waits_for_hang_timeout_and_names_the_rank_outside_collectives():
     hang, run = monitor(hang_timeout=10.0), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
+    run.now = lambda: clock[0]
 
     def beats(still):
         hang.on_event(run, beat(0, collective="barrier", seq=1, still=still))
@@ -297,10 +304,10 @@ def test_monitor_waits_for_hang_timeout_and_names_the_rank_outside_collectives(m
     assert "rank 0: in barrier (collective #1) at train.py:10 in train" in str(root.exception)
 
 
-def test_monitor_treats_a_rank_without_heartbeats_as_still(monkeypatch):
+def test_monitor_treats_a_rank_without_heartbeats_as_still():
     hang, run = monitor(hang_timeout=10.0), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
+    run.now = lambda: clock[0]
     hang.on_event(run, beat(0, collective="barrier", seq=1, still=1.0))
     hang.on_event(run, beat(1, still=1.0))
     clock[0] += 8.5
@@ -313,12 +320,12 @@ def test_monitor_treats_a_rank_without_heartbeats_as_still(monkeypatch):
     assert "no heartbeat for" in str(root.exception)
 
 
-def test_monitor_waits_for_fresh_heartbeats_after_a_rank_returned(monkeypatch):
+def test_monitor_waits_for_fresh_heartbeats_after_a_rank_returned():
     # Rank 0 waited long in a barrier that rank 1 has now joined and left (it returned): rank 0's
     # last heartbeat predates that, so it proves nothing; rank 0 is about to return too.
     hang, run = monitor(hang_timeout=2.0), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
+    run.now = lambda: clock[0]
     hang.on_event(run, beat(0, collective="barrier", seq=1, still=3.0))
     clock[0] += 0.2
     returns(hang, run, 1, seq=1)
@@ -328,19 +335,19 @@ def test_monitor_waits_for_fresh_heartbeats_after_a_rank_returned(monkeypatch):
     assert hang.check(run) is not None
 
 
-def test_monitor_counts_output_as_progress(monkeypatch):
+def test_monitor_counts_output_as_progress():
     hang, run = monitor(hang_timeout=10.0), FakeRun()
     clock = [100.0]
-    monkeypatch.setattr(hang.time, "monotonic", lambda: clock[0])
+    run.now = lambda: clock[0]
     hang.on_event(run, beat(0, collective="barrier", seq=1, still=11.0))
     hang.on_event(run, beat(1, still=11.0))
-    run.relay.last_output[1] = time.time() - 2.0  # rank 1 printed two seconds ago
+    run.last_output[1] = clock[0] - 2.0  # rank 1 printed two seconds ago
     assert hang.check(run) is None
 
 
-def test_monitor_with_hang_timeout_none_never_times_out(monkeypatch):
+def test_monitor_with_hang_timeout_none_never_times_out():
     hang, run = monitor(hang_timeout=None), FakeRun()
-    monkeypatch.setattr(hang.time, "monotonic", lambda: 1e6)
+    run.clock = 1e6
     hang.on_event(run, beat(0, collective="barrier", seq=1, still=1e5))
     hang.on_event(run, beat(1, collective="all_reduce", seq=1, still=1e5))
     assert hang.check(run) is None

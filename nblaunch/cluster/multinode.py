@@ -943,7 +943,7 @@ class MultiNodeRun(Run):
 
     def _start_processes(self) -> None:
         plan: MultiNodePlan = self.plan  # type: ignore[assignment]
-        self.supervisor.start(plan.local_ranks, setup=plan.setup_message)
+        self.backend.start(plan.local_ranks, setup=plan.setup_message)
 
     def start(self) -> None:
         super().start()
@@ -963,7 +963,7 @@ class MultiNodeRun(Run):
 
     def interrupt(self, ranks: list[int]) -> None:
         """Interrupt ``ranks`` of the task: this node's by signal, the others' through the store."""
-        local = {rank.rank for rank in self.supervisor.ranks}
+        local = {rank.rank for rank in self.backend.ranks}
         super().interrupt([r for r in ranks if r in local])
         remote = [r for r in ranks if r not in local]
         if remote:

@@ -5,9 +5,9 @@ The notebook's side of :func:`nblaunch.rank.memory.find_executable_batch_size`.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
+from nblaunch.engine.monitor import RunContext
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
 from nblaunch.rank.memory import RESTART_OPTION, no_size_message, render_attempts, who_ran_out
@@ -40,13 +40,13 @@ class BatchSizeMonitor:
         self._where: dict[int, str] = {}
         self._heard: dict[int, float] = {}
 
-    def on_event(self, run: Any, event: dict[str, Any]) -> None:
+    def on_event(self, run: RunContext, event: dict[str, Any]) -> None:
         kind = event["kind"]
         rank = event.get("rank")
         if kind == "progress" and event.get("what") == "batch_size":
             data = event.get("data") or {}
             if data.get("status") == "waiting":
-                self._waiting[rank] = {**data, "since": time.monotonic()}
+                self._waiting[rank] = {**data, "since": run.now()}
                 self._in_collective.clear()
             elif data.get("status") in ("oom", "ok", "agreed"):  # an agreement completed
                 self._waiting = {
@@ -55,14 +55,14 @@ class BatchSizeMonitor:
                     if w["key"] != data.get("key") or w["attempt"] > data.get("attempt", 0)
                 }
         elif kind == "heartbeat" and self._waiting and rank not in self._waiting:
-            self._heard[rank] = time.monotonic()
+            self._heard[rank] = run.now()
             if event.get("collective"):
                 self._in_collective[rank] = self._in_collective.get(rank, 0) + 1
                 self._where[rank] = f"{event['collective']} ({event.get('where', '')})"
             else:
                 self._in_collective[rank] = 0
 
-    def check(self, run: Any) -> RootCause | None:
+    def check(self, run: RunContext) -> RootCause | None:
         if not self._waiting or run.outcome.failures:
             return None  # a rank's own failure is the root cause; the launcher reports it
         outside = [r for r in range(self.world_size) if r not in run.task_ranks]
@@ -77,7 +77,7 @@ class BatchSizeMonitor:
         ]
         if not others:
             return None  # everyone is in the agreement, or gone (the launcher handles that)
-        now = time.monotonic()
+        now = run.now()
         for rank in others:
             if self._in_collective.get(rank, 0) >= STUCK_HEARTBEATS:
                 continue

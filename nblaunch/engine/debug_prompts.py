@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from nblaunch.engine.monitor import RunContext
 from nblaunch.events import RunState, diagnosis
 from nblaunch.rank.debugger import RankPdb
 
@@ -38,7 +39,7 @@ class DebugPrompts:
     def __init__(self, plan: Any) -> None:
         self.debugging: set[int] = set()  # ranks waiting in the debugger
 
-    def on_event(self, run: Any, event: dict[str, Any]) -> None:
+    def on_event(self, run: RunContext, event: dict[str, Any]) -> None:
         kind = event["kind"]
         if kind == "started" and self.debugging:  # a peer's own "started" read after its prompt
             run.set_state(event["rank"], RunState.RUNNING, self._waiting())
@@ -47,10 +48,10 @@ class DebugPrompts:
         elif kind == "debug_end":
             self._left(run, event)
 
-    def check(self, run: Any) -> None:
+    def check(self, run: RunContext) -> None:
         return None
 
-    def _prompt(self, run: Any, event: dict[str, Any]) -> None:
+    def _prompt(self, run: RunContext, event: dict[str, Any]) -> None:
         rank = event["rank"]
         if not run.runs_here(rank):  # a rank on another node: its pipe is not ours
             run.publish(
@@ -71,7 +72,7 @@ class DebugPrompts:
         line = ask(rank, event["output"], event["prompt"])
         run.send_to_rank(rank, {"kind": "debug_input", "line": line})
 
-    def _left(self, run: Any, event: dict[str, Any]) -> None:
+    def _left(self, run: RunContext, event: dict[str, Any]) -> None:
         rank = event["rank"]
         if event.get("output"):
             print(event["output"], end="", flush=True)
@@ -85,7 +86,7 @@ class DebugPrompts:
         """What a rank not in the debugger does while another is (empty when none is)."""
         return f"waiting for rank {min(self.debugging)} (in the debugger)" if self.debugging else ""
 
-    def _say_waiting(self, run: Any) -> None:
+    def _say_waiting(self, run: RunContext) -> None:
         """The other running ranks' badges: waiting for a rank in the debugger, or not.
 
         A rank still starting is counted too: a rank in its user code has joined the process

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nblaunch.engine.monitor import RunContext
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, RankFailedError
 from nblaunch.events import Heartbeat, RunState, diagnosis
@@ -44,13 +44,12 @@ STRAGGLER_CHECK_S = 2.0
 
 if TYPE_CHECKING:
     from nblaunch.engine.plan import LaunchPlan
-    from nblaunch.engine.run import Run
 
 
 @dataclass
 class _Beat:
     event: Heartbeat
-    received: float  # time.monotonic() in the parent
+    received: float  # the run's clock, in the parent
 
     @property
     def in_collective(self) -> bool:
@@ -135,13 +134,13 @@ class HangMonitor:
 
     # --- events ----------------------------------------------------------------------------------
 
-    def on_event(self, run: Run, event: dict[str, Any]) -> None:
+    def on_event(self, run: RunContext, event: dict[str, Any]) -> None:
         kind = event["kind"]
         if kind == "heartbeat":
-            self.beats[event["rank"]] = _Beat(event, time.monotonic())  # type: ignore[arg-type]
+            self.beats[event["rank"]] = _Beat(event, run.now())  # type: ignore[arg-type]
         elif kind == "result":
             rank = event["rank"]
-            self.returned[rank] = time.monotonic()
+            self.returned[rank] = run.now()
             if event.get("called_exit"):
                 self.exited.add(rank)
             beat = self.beats.get(rank)
@@ -151,10 +150,10 @@ class HangMonitor:
             if all(r in self.returned for r in self.beats):  # every rank of the task returned
                 self._publish_straggler(run, final=True)
 
-    def check(self, run: Run) -> RootCause | None:
+    def check(self, run: RunContext) -> RootCause | None:
         if self._done:
             return None
-        now = time.monotonic()
+        now = run.now()
         self._mark_stalls(run, now)
         # A stalled rank is the stronger signal; a straggler report would only distract.
         if not self.stalled and now - self._straggler_checked >= STRAGGLER_CHECK_S:
@@ -167,25 +166,24 @@ class HangMonitor:
 
     # --- the pieces ------------------------------------------------------------------------------
 
-    def _running(self, run: Run) -> list[int]:
+    def _running(self, run: RunContext) -> list[int]:
         """Ranks running a task: they sent heartbeats and have not finished. A rank without
         heartbeats takes no part (a persistent pool may run a cell on some ranks only)."""
         finished = run.outcome.finished
         return sorted(r for r in self.beats if r not in self.returned and r not in finished)
 
-    def _still_since(self, run: Run, rank: int, now: float) -> float | None:
+    def _still_since(self, run: RunContext, rank: int, now: float) -> float | None:
         """Parent time since which ``rank`` has not moved, or None when it never reported."""
         beat = self.beats.get(rank)
         if beat is None:
             return None
         since = beat.received - beat.event["still_s"]
-        relay = getattr(run, "relay", None)
-        last_output = relay.last_output.get(rank) if relay is not None else None
-        if last_output:  # any output (C-level too) counts as progress
-            since = max(since, now - max(0.0, time.time() - last_output))
+        ago = run.seconds_since_output(rank)
+        if ago is not None:  # any output (C-level too) counts as progress
+            since = max(since, now - max(0.0, ago))
         return since
 
-    def _known_still(self, run: Run, rank: int, now: float) -> float | None:
+    def _known_still(self, run: RunContext, rank: int, now: float) -> float | None:
         """How long ``rank`` is known to have been still: up to its last heartbeat, or up to
         now when its heartbeats stopped (a task thread holding the GIL, a stopped process)."""
         since = self._still_since(run, rank, now)
@@ -195,7 +193,7 @@ class HangMonitor:
         until = now if now - beat.received >= SILENT_AFTER_S else beat.received
         return until - since
 
-    def _mark_stalls(self, run: Run, now: float) -> None:
+    def _mark_stalls(self, run: RunContext, now: float) -> None:
         for rank in self._running(run):
             beat = self.beats.get(rank)
             since = self._still_since(run, rank, now)
@@ -205,20 +203,20 @@ class HangMonitor:
             elif rank in self.stalled:
                 self._unstall(run, rank)
 
-    def _stall(self, run: Run, rank: int, beat: _Beat) -> None:
+    def _stall(self, run: RunContext, rank: int, beat: _Beat) -> None:
         if rank in self.stalled or run.states.get(rank) != RunState.RUNNING:
             return
         self.stalled.add(rank)
         detail = cell_names(f"waiting in {beat.event['collective']} at {beat.event['where']}")
         run.set_state(rank, RunState.STALLED, detail)
 
-    def _unstall(self, run: Run, rank: int) -> None:
+    def _unstall(self, run: RunContext, rank: int) -> None:
         if rank in self.stalled:
             self.stalled.discard(rank)
             if run.states.get(rank) == RunState.STALLED:
                 run.set_state(rank, RunState.RUNNING)
 
-    def _returned_while_waiting(self, run: Run, now: float) -> RootCause | None:
+    def _returned_while_waiting(self, run: RunContext, now: float) -> RootCause | None:
         """A rank returned; another waits in a collective the returned rank never called."""
         if not self.returned:
             return None
@@ -279,7 +277,7 @@ class HangMonitor:
             )
         return self._root(run, first, headline, message, now, exited=first in self.exited)
 
-    def _no_progress(self, run: Run, now: float) -> RootCause | None:
+    def _no_progress(self, run: RunContext, now: float) -> RootCause | None:
         """Nothing moved for ``hang_timeout`` seconds and some rank waits in a collective."""
         if self.hang_timeout is None:
             return None
@@ -377,7 +375,13 @@ class HangMonitor:
         return f"{seq} collective{'s' if seq != 1 else ''}"
 
     def _root(
-        self, run: Run, rank: int, headline: str, message: str, now: float, exited: bool = False
+        self,
+        run: RunContext,
+        rank: int,
+        headline: str,
+        message: str,
+        now: float,
+        exited: bool = False,
     ) -> dict[str, Any]:
         """The hang as the run's root cause. ``exited``: ``rank`` left with ``sys.exit(0)``,
         which makes it that rank's failure (``RankFailedError``), never a ``SystemExit``."""
@@ -402,7 +406,7 @@ class HangMonitor:
 
     # --- stragglers ------------------------------------------------------------------------------
 
-    def _publish_straggler(self, run: Run, *, final: bool) -> None:
+    def _publish_straggler(self, run: RunContext, *, final: bool) -> None:
         found = find_straggler(
             {r: (b.event["wait_s"], b.event["busy_s"]) for r, b in self.beats.items()}
         )

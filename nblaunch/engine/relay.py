@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from nblaunch.engine.clock import REAL_CLOCK, Clock
 from nblaunch.engine.in_order import InOrderLog
 from nblaunch.engine.metrics_files import METRICS_FILE, metric_lines, write_tensorboard_files
 from nblaunch.engine.supervisor import RankProcess
@@ -76,10 +77,19 @@ class Relay:
         Where events go (a view).
     run_dir
         Directory for ``rank<N>.log`` files; ``None`` writes no files.
+    clock
+        The run's clock: when each rank last wrote (``last_output``), and how long a poll waits.
     """
 
-    def __init__(self, ranks: list[RankProcess], sink: EventSink, run_dir: Path | None) -> None:
+    def __init__(
+        self,
+        ranks: list[RankProcess],
+        sink: EventSink,
+        run_dir: Path | None,
+        clock: Clock = REAL_CLOCK,
+    ) -> None:
         self.sink = sink
+        self.clock = clock
         self.run_dir = run_dir
         self._selector = selectors.DefaultSelector()
         self._partial: dict[tuple[int, int], bytes] = {}
@@ -94,7 +104,7 @@ class Relay:
         self._metrics_file: Any = None  # <run dir>/metrics.jsonl, opened at the first metric
         self._conns: dict[int, RankProcess] = {}
         self.tails: dict[int, collections.deque[str]] = {}
-        self.last_output: dict[int, float] = {}
+        self.last_output: dict[int, float] = {}  # rank -> clock.now() of its last output
         self._logs_flushed = 0.0
         # in_order log records are lined up by (seq, rank) before the view sees them
         self.in_order = InOrderLog()
@@ -133,7 +143,7 @@ class Relay:
             return True
         self._open_rank(rank)
         if event["kind"] == "stream":
-            self.last_output[rank] = time.time()
+            self.last_output[rank] = self.clock.now()
             if not event["carriage"]:
                 self.tails[rank].append(event["text"])
             self._log_text(rank, event["text"] + "\n")
@@ -167,7 +177,7 @@ class Relay:
         Output becomes ``Stream`` events for the view; events from ranks go to the view and are
         returned, so the launcher can act on results and failures.
         """
-        received = self._dispatch(self._selector.select(timeout))
+        received = self._dispatch(self._selector.select(self.clock.wait_s(timeout)))
         for source in self.sources:
             received.extend(source.pull(self))
         for ready in self.in_order.poll():
@@ -335,7 +345,7 @@ class Relay:
         """Log a piece of a rank's output and pass its lines on."""
         key = (rank, fd)
         now = time.monotonic()
-        self.last_output[rank] = time.time()
+        self.last_output[rank] = self.clock.now()
         self._end_progress(rank, but=fd)  # output on the other stream ends its progress line
         if key in self._ended_early:
             self._ended_early.discard(key)

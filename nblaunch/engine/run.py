@@ -1,25 +1,27 @@
 """The run engine: start the ranks, relay what they say, find the root cause, stop, report.
 
-:class:`Run` starts the ranks (:class:`~nblaunch.engine.supervisor.Supervisor`), sends each its setup
-and task, pumps the relay, lets the monitors (hang watchdog, out-of-memory restarts) watch every
-event, settles on a root cause (the first *primary* failure, never a rank that only saw its peer
-die) and asks :mod:`nblaunch.engine.verdict` what the caller gets. The one-shot launch, the persistent
-pool and the multi-node head all drive it.
+:class:`Run` starts the ranks through its rank backend (:mod:`nblaunch.engine.backend`: real
+processes, or a scripted stand-in in the tests), sends each its setup and task, pumps the relay,
+lets the monitors (hang watchdog, out-of-memory restarts) watch every event, settles on a root
+cause (the first *primary* failure, never a rank that only saw its peer die) and asks
+:mod:`nblaunch.engine.verdict` what the caller gets. Every judgement reads the run's clock
+(:mod:`nblaunch.engine.clock`). The one-shot launch, the persistent pool and the multi-node head
+all drive it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import signal
 import time
 from typing import Any
 
-from nblaunch.engine import spares, verdict
+from nblaunch.engine import verdict
+from nblaunch.engine.backend import BackendFactory, ProcessBackend
+from nblaunch.engine.clock import REAL_CLOCK, Clock
 from nblaunch.engine.features import parent_monitors
 from nblaunch.engine.monitor import Monitor
 from nblaunch.engine.plan import LaunchPlan, choose_port
 from nblaunch.engine.relay import Relay
-from nblaunch.engine.supervisor import Supervisor, signal_pid
 from nblaunch.engine.verdict import Cause, Outcome, RootCause
 from nblaunch.errors import LaunchError
 from nblaunch.events import STOP, Event, EventSink, NullView, RunState, task_message
@@ -45,16 +47,28 @@ class Run:
         The validated launch plan.
     view
         Where events go (widget, text, none).
+    backend
+        Makes the ranks (``backend(world_size, start_method)``); real processes by default.
+    clock
+        The time every judgement reads (hang, grace periods, ``timeout=``); real by default.
     """
 
     # Whether a monitor may have every rank stopped and started again (a batch-size restart):
     # only ranks this machine started can be; otherwise the request's own exception is raised.
     restarts_ranks = True
 
-    def __init__(self, plan: LaunchPlan, view: EventSink) -> None:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        view: EventSink,
+        backend: BackendFactory = ProcessBackend,
+        clock: Clock = REAL_CLOCK,
+    ) -> None:
         self.plan = plan
         self.view = view
-        self.supervisor = Supervisor(plan.world_size, plan.start_method)
+        self.make_backend = backend
+        self.clock = clock
+        self.backend = backend(plan.world_size, plan.start_method)
         self.relay: Relay | None = None
         self.outcome = Outcome()
         self.started_at = time.time()
@@ -91,7 +105,7 @@ class Run:
         """Start this machine's ranks (each gets its set-up as it starts), open the relay and
         announce the run (unless a front end did already)."""
         self._start_processes()
-        self.relay = Relay(self.supervisor.ranks, self.view, self.plan.run_dir)
+        self.relay = Relay(self.backend.ranks, self.view, self.plan.run_dir, self.clock)
         if not self.announced:
             self.announce()
         for rank in range(self.plan.world_size):
@@ -100,11 +114,7 @@ class Run:
     def _start_processes(self) -> None:
         # GPU ranks wait for an earlier run's ranks to be gone: their device memory comes first.
         wait = self.plan.device_type != "cpu"
-        taken = spares.take(self.plan.start_method, list(range(self.plan.world_size)))
-        if taken is not None:
-            self.supervisor.adopt(taken.ranks, taken.tree_marker, self.plan.setup_message, wait)
-        else:
-            self.supervisor.start(setup=self.plan.setup_message, wait_for_previous=wait)
+        self.backend.start(setup=self.plan.setup_message, wait_for_previous=wait)
 
     def announce(self, warnings: list[str] | None = None, notes: list[str] | None = None) -> None:
         """Publish the run's header (``RunInfo``); a pool sends one per task, to each new view."""
@@ -121,14 +131,14 @@ class Run:
         LaunchError
             Not every rank started within ``limit_s`` seconds.
         """
-        deadline = time.monotonic() + limit_s
+        deadline = self.now() + limit_s
         ranks = range(self.plan.world_size)
         while not all(self.states.get(r) is RunState.RUNNING for r in ranks):
             self.pump(0.05)
-            root = verdict.settle(self.outcome, self.task_ranks, time.monotonic())
+            root = verdict.settle(self.outcome, self.task_ranks, self.now())
             if root is not None:
                 raise self.exception_for(root)
-            if time.monotonic() > deadline:
+            if self.now() > deadline:
                 started = [r for r in ranks if self.states.get(r) is RunState.RUNNING]
                 raise LaunchError(
                     f"the ranks did not start within {limit_s:g} s (started: "
@@ -166,23 +176,21 @@ class Run:
     def hang_up(self, limit_s: float) -> None:
         """Ask every rank to stop after its task and read what they say until each closed its
         pipes or exited (at most ``limit_s``); those still exiting are left to finish alone."""
-        for rank in self.supervisor.ranks:
-            self.supervisor.send(rank, {"kind": STOP})
+        for rank in self.backend.ranks:
+            self.backend.send(rank, {"kind": STOP})
         self._relay_until_hung_up(timeout=limit_s)
 
     def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
         """Send one task to ``ranks`` (default: all); the run then waits for those ranks only."""
         self.task_ranks = list(range(self.plan.world_size)) if ranks is None else list(ranks)
         message = task_message(payload, task_id, self.task_ranks, self.plan.world_size)
-        for rank in self.supervisor.ranks:  # this machine's (a multi-node run has others)
+        for rank in self.backend.ranks:  # this machine's (a multi-node run has others)
             if rank.rank in self.task_ranks:
-                self.supervisor.send(rank, message)
+                self.backend.send(rank, message)
 
     def interrupt(self, ranks: list[int]) -> None:
         """A KeyboardInterrupt in the task of each of ``ranks`` (SIGINT)."""
-        for rank in self.supervisor.ranks:
-            if rank.rank in ranks and not rank.ended:
-                signal_pid(rank.pid, signal.SIGINT)
+        self.backend.interrupt(ranks)
 
     def release_nodes(self, rejoin: bool) -> None:
         """Let go of other nodes (a multi-node pool's); a single-node run has none."""
@@ -207,7 +215,7 @@ class Run:
         assert self.relay is not None
         for event in self.relay.poll(timeout):
             self.on_event(event)
-        for rank in self.supervisor.reap():
+        for rank in self.backend.reap():
             for event in self.relay.drain_events(rank.rank):
                 self.on_event(event)
             if rank.rank not in self.outcome.finished:
@@ -223,7 +231,7 @@ class Run:
     def watch(self) -> None:
         """Pump until every rank returned, a root cause is known, or the timeout runs out."""
         outcome = self.outcome
-        deadline = None if self.plan.timeout is None else time.monotonic() + self.plan.timeout
+        deadline = None if self.plan.timeout is None else self.now() + self.plan.timeout
         while True:
             self.pump(0.05)
             if self._all_returned():
@@ -233,11 +241,11 @@ class Run:
                 if root is not None:
                     outcome.root = root
                     return
-            root = verdict.settle(outcome, self.task_ranks, time.monotonic())
+            root = verdict.settle(outcome, self.task_ranks, self.now())
             if root is not None:
                 outcome.root = root
                 return
-            if deadline is not None and time.monotonic() - self._time_paused() > deadline:
+            if deadline is not None and self.now() - self._time_paused() > deadline:
                 self._on_timeout()
                 return
 
@@ -247,31 +255,40 @@ class Run:
         """Stop the clocks while ``key`` (a rank in the debugger) waits for the person: its
         peers wait for it, which no monitor may take for a hang, and ``timeout=`` does not
         count the time."""
-        self._paused.setdefault(key, time.monotonic())
+        self._paused.setdefault(key, self.now())
 
     def resume(self, key: object) -> None:
         """Start the clocks again; monitors judge again ``RESUME_GRACE_S`` later."""
         since = self._paused.pop(key, None)
         if since is not None:
-            self._paused_s += time.monotonic() - since
-            self._resumed_at = time.monotonic()
+            self._paused_s += self.now() - since
+            self._resumed_at = self.now()
 
     def _monitors_paused(self) -> bool:
-        return bool(self._paused) or time.monotonic() - self._resumed_at < RESUME_GRACE_S
+        return bool(self._paused) or self.now() - self._resumed_at < RESUME_GRACE_S
 
     def _time_paused(self) -> float:
         """Time the clocks stood still during this task."""
-        now = time.monotonic()
+        now = self.now()
         return self._paused_s + (now - min(self._paused.values()) if self._paused else 0.0)
+
+    def now(self) -> float:
+        """The run's clock (monotonic seconds)."""
+        return self.clock.now()
+
+    def seconds_since_output(self, rank: int) -> float | None:
+        """How long ago ``rank`` last wrote anything; None before its first output."""
+        last = self.relay.last_output.get(rank) if self.relay is not None else None
+        return None if last is None else self.now() - last
 
     def runs_here(self, rank: int) -> bool:
         """True when ``rank`` is a process of this machine (not another node's)."""
-        return any(process.rank == rank for process in self.supervisor.ranks)
+        return any(process.rank == rank for process in self.backend.ranks)
 
     def send_to_rank(self, rank: int, message: dict[str, Any]) -> bool:
         """Send a message down a rank's pipe; False when it is not here or has gone."""
-        process = next((p for p in self.supervisor.ranks if p.rank == rank), None)
-        return process is not None and self.supervisor.send(process, message)
+        process = next((p for p in self.backend.ranks if p.rank == rank), None)
+        return process is not None and self.backend.send(process, message)
 
     def show_now(self) -> None:
         """Render the view at once (before something blocks this thread)."""
@@ -287,7 +304,7 @@ class Run:
         elif kind == "result":
             self.outcome.results[rank] = event["value_bytes"]
         elif kind == "failure":
-            failure = RootCause.from_failure(event, received_at=time.monotonic())
+            failure = RootCause.from_failure(event, received_at=self.now())
             self.outcome.failures.append(failure)
             self.set_state(rank, RunState.FAILED, failure.outcome_words()[:200])
         elif kind == "finished":
@@ -308,15 +325,16 @@ class Run:
     def _restart(self, payload: bytes) -> None:
         """Stop every rank and start them again with the setup options a monitor asked for.
 
-        ``nblaunch.engine.batch_size.BatchSizeMonitor`` asks for this when a rank ran out of memory while
-        its peers were blocked in a collective of the same step: only fresh processes, all at
-        the smaller batch size, can go on from there. Output and log files carry on.
+        :class:`~nblaunch.engine.batch_size.BatchSizeMonitor` asks for this when a rank ran out
+        of memory while its peers were blocked in a collective of the same step: only fresh
+        processes, all at the smaller batch size, can go on from there. Output and log files
+        carry on.
         """
         request = self.outcome.root
         assert request is not None and self.relay is not None
         if request.progress:
             self.publish(request.progress)
-        old = self.supervisor
+        old = self.backend
         old.stop(grace=STOP_GRACE_S)
         self.relay.drain_output(timeout=1.0)
         for rank in old.ranks:
@@ -326,9 +344,9 @@ class Run:
         self.plan.master_port = choose_port(self.plan.master_addr, None)
         self.outcome = Outcome()
         self.monitors = parent_monitors(self.plan)  # fresh processes, fresh observations
-        self.supervisor = Supervisor(self.plan.world_size, self.plan.start_method)
+        self.backend = self.make_backend(self.plan.world_size, self.plan.start_method)
         self._start_processes()
-        for rank in self.supervisor.ranks:
+        for rank in self.backend.ranks:
             self.relay.add(rank)
             self.set_state(rank.rank, RunState.STARTING, request.message)
         self.send_task(payload)
@@ -354,13 +372,13 @@ class Run:
     def stop_on_interrupt(self) -> None:
         """The notebook was interrupted: SIGINT every rank, then escalate; within ~5 s in all."""
         try:
-            self.supervisor.interrupt()
-            deadline = time.monotonic() + 1.5
-            while self.supervisor.alive() and time.monotonic() < deadline:
+            self.backend.interrupt()
+            deadline = self.now() + 1.5
+            while self.backend.alive() and self.now() < deadline:
                 if self.relay is not None:
                     self.relay.poll(0.05)
-                self.supervisor.reap()
-                if all(r.rank in self.outcome.finished or r.ended for r in self.supervisor.ranks):
+                self.backend.reap()
+                if all(r.rank in self.outcome.finished or r.ended for r in self.backend.ranks):
                     break
         except KeyboardInterrupt:
             pass  # a second interrupt: go straight on to stopping
@@ -370,7 +388,7 @@ class Run:
 
     def finish(self) -> None:
         """Stop every rank (asking nicely first when the run went well) and close everything."""
-        supervisor = self.supervisor
+        backend = self.backend
         ok = len(self.outcome.results) == self.plan.world_size
         try:
             if ok:
@@ -391,18 +409,18 @@ class Run:
             if root is not None and root.cause in (Cause.FAILURE, Cause.DEATH, Cause.HANG):
                 # The cause is known and the others are most likely blocked in a collective
                 # they cannot finish: they get half a second, and being killed is no news.
-                supervisor.stop(grace=KNOWN_CAUSE_GRACE_S, quiet=True)
+                backend.stop(grace=KNOWN_CAUSE_GRACE_S, quiet=True)
             else:
-                supervisor.stop(grace=STOP_GRACE_S)
+                backend.stop(grace=STOP_GRACE_S)
         except KeyboardInterrupt:
-            supervisor.stop(grace=0.0)
+            backend.stop(grace=0.0)
             raise
         finally:
             if self.relay is not None:
                 self.relay.drain_output(timeout=1.0)
                 self.publish(self.run_ended(ok))
                 self.relay.close()
-            supervisor.close()
+            backend.close()
             self.view.close()
 
     def _stop_reason(self) -> str:
@@ -420,13 +438,13 @@ class Run:
         """Keep reading output while the stopped ranks shut down, until each has closed its
         pipes (its last words) or exited; those still exiting are left to exit on their own."""
         assert self.relay is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.supervisor.reap()
-            if all(self.relay.hung_up(rank.rank) for rank in self.supervisor.alive()):
+        deadline = self.now() + timeout
+        while self.now() < deadline:
+            self.backend.reap()
+            if all(self.relay.hung_up(rank.rank) for rank in self.backend.alive()):
                 break
             self.relay.poll(0.01)
-        self.supervisor.let_go([r for r in self.supervisor.alive() if self.relay.hung_up(r.rank)])
+        self.backend.let_go([r for r in self.backend.alive() if self.relay.hung_up(r.rank)])
 
     def run_ended(self, ok: bool) -> Event:
         outcomes: dict[int, str] = {}

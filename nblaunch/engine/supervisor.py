@@ -243,10 +243,12 @@ class Supervisor:
     def alive(self) -> list[RankProcess]:
         return [r for r in self.ranks if not r.ended and r.process.is_alive()]
 
-    def interrupt(self) -> None:
-        """Send SIGINT to every live rank (a KeyboardInterrupt inside the task)."""
+    def interrupt(self, ranks: list[int] | None = None) -> None:
+        """Send SIGINT to each of ``ranks`` still alive (default: every live rank): a
+        KeyboardInterrupt inside the task."""
         for rank in self.alive():
-            signal_pid(rank.pid, signal.SIGINT)
+            if ranks is None or rank.rank in ranks:
+                signal_pid(rank.pid, signal.SIGINT)
 
     def stop(
         self, grace: float = 2.0, *, first_signal: int = signal.SIGTERM, quiet: bool = False

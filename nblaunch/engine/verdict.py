@@ -56,7 +56,7 @@ class RootCause:
     traceback: str = ""
     exception_bytes: bytes | None = None
     where: str = ""
-    received_at: float = float("-inf")  # time.monotonic() in the parent
+    received_at: float = float("-inf")  # the run's clock, in the parent
     # A process that ended (Cause.DEATH).
     exitcode: int | None = None
     signal: int | None = None
@@ -152,7 +152,7 @@ def settle(outcome: Outcome, task_ranks: Iterable[int], now: float) -> RootCause
     together, so it waits up to ``VERDICT_WAIT_S`` for every task rank's, and the report can say
     it was raised everywhere. A failure that only looks like the echo of a peer's (secondary)
     wins when no primary one arrived within ``SECONDARY_GRACE_S`` of it. ``now`` is
-    ``time.monotonic()``, the clock of ``RootCause.received_at``.
+    the run's clock, the clock of ``RootCause.received_at``.
     """
     primaries = outcome.primaries()
     if primaries:

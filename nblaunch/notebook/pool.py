@@ -252,7 +252,7 @@ class Pool:
             _current = None
             raise
         self.start_s = time.monotonic() - began
-        self._pids = [rank.pid for rank in run.supervisor.ranks]
+        self._pids = [rank.pid for rank in run.backend.ranks]
         self.started_at = time.time()
         self.state = PoolState.IDLE
         return self
@@ -555,7 +555,7 @@ class Pool:
                 )
                 rank_info = dict(enumerate(values))
                 self.tasks_run -= 1  # asking for the status is not the person's work
-        local = {process.rank: process.pid for process in self._run.supervisor.ranks}
+        local = {process.rank: process.pid for process in self._run.backend.ranks}
         for rank in range(self.world_size):
             info = rank_info.get(rank, {})
             row: dict[str, Any] = {"rank": rank, "pid": local.get(rank), "alive": False}
@@ -651,7 +651,7 @@ class Pool:
         if self.state in (PoolState.STARTING, PoolState.BUSY):
             raise LaunchError(f"the pool is busy: {self.describe()}")
         if self.state is PoolState.IDLE:  # a rank may have died since the last task
-            dead = self._run.supervisor.reap()
+            dead = self._run.backend.reap()
             if dead:
                 words, _ = describe_exit(dead[0].exitcode)
                 self._break(f"rank {dead[0].rank} (pid {dead[0].pid}) {words} between cells")
@@ -805,7 +805,7 @@ class Pool:
         if run is None:
             return
         with contextlib.suppress(Exception):
-            run.supervisor.stop(grace=grace)
+            run.backend.stop(grace=grace)
         if close_pipes:  # a broken pool keeps its other nodes until it is restarted or closed
             with contextlib.suppress(Exception):
                 run.release_nodes(rejoin)
@@ -813,7 +813,7 @@ class Pool:
                 if run.relay is not None:
                     run.relay.close()
             with contextlib.suppress(Exception):
-                run.supervisor.close()
+                run.backend.close()
 
 
 class _TaskGuard:
