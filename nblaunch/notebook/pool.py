@@ -20,8 +20,8 @@ tasks:
   quicker one shows its static summary, or nothing when it was silent and successful
   (``widgets.DeferredView``): the widget costs more than a quick cell on the pool.
 
-Inside a rank, :func:`rank_namespace` is the dictionary cells run in; it lives as long as the
-rank process.
+Inside a rank, :func:`nblaunch.rank.namespace.rank_namespace` is the dictionary cells run in;
+it lives as long as the rank process. The end of a task is :mod:`nblaunch.notebook.pool_task`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import atexit
 import contextlib
 import enum
 import os
-import signal
 import time
 import warnings
 from typing import Any
@@ -42,25 +41,27 @@ from nblaunch.engine.supervisor import reap_let_go
 from nblaunch.engine.verdict import Cause, RootCause, add_note, recreate_exception
 from nblaunch.errors import LaunchError, describe_exit
 from nblaunch.events import NullView, RunState, diagnosis
+from nblaunch.notebook.pool_task import (
+    AfterTask,
+    TaskGuard,
+    decide_task_end,
+    lost_ranks,
+    pending_ranks,
+    settle_task,
+)
 from nblaunch.options import (
     DEFAULT_HANG_TIMEOUT_S,
     DISPLAY_MODES,
     LaunchOptions,
     NodeOptions,
 )
-from nblaunch.rank import debugger, worker
+from nblaunch.rank import namespace
 
-# How long the ranks of an interrupted or failed task get to come back before the pool restarts.
-INTERRUPT_WAIT_S = 3.0
-# A task whose results all arrived: how long to wait for each rank's closing "finished" event.
-FINISH_WAIT_S = 2.0
 # How long starting the ranks (imports, device, process group) may take.
 START_TIMEOUT_S = 120.0
 
 _current: Pool | None = None
 _atexit_registered = False
-# Inside a rank: the namespace %%distributed cells run in; it persists between tasks.
-_namespace: dict[str, Any] = {}
 
 
 class PoolState(str, enum.Enum):
@@ -71,14 +72,6 @@ class PoolState(str, enum.Enum):
     BUSY = "busy"
     BROKEN = "broken"  # a rank died: only restart or stop help
     CLOSED = "closed"
-
-
-def rank_namespace() -> dict[str, Any]:
-    """The namespace pool cells run in on this rank; it outlives each cell.
-
-    In the notebook process this is an unused, empty dictionary.
-    """
-    return _namespace
 
 
 def current_pool() -> Pool | None:
@@ -346,7 +339,7 @@ class Pool:
             The value cannot be pickled back to the notebook.
         """
         (value,) = self.run_payload(
-            serialize_payload(_pull_value, (name,)), ranks=[rank], display="none"
+            serialize_payload(namespace.pull_value, (name,)), ranks=[rank], display="none"
         )
         return value
 
@@ -360,7 +353,7 @@ class Pool:
         """
         chosen = None if ranks is None else parse_ranks(ranks, self.world_size)
         try:
-            payload = pickling.dumps((_push_value, (name, value), {}))
+            payload = pickling.dumps((namespace.push_value, (name, value), {}))
         except Exception as exc:
             raise LaunchError(
                 f"{name} (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
@@ -380,7 +373,7 @@ class Pool:
         rank = self.last_failed_rank if rank is None else rank
         if rank is None:
             raise LaunchError("%dist debug: the last cell did not fail with an exception")
-        payload = serialize_payload(_post_mortem_on_rank, ())
+        payload = serialize_payload(namespace.post_mortem, ())
         self.run_payload(payload, ranks=[rank], description=f"post-mortem on rank {rank}")
 
     def run_cell(
@@ -394,7 +387,8 @@ class Pool:
     ) -> list[Any]:
         """Run a ``%%distributed`` cell (a :class:`~nblaunch.rank.cell.CellTask`) on the pool.
 
-        Each rank runs the cell in its :func:`rank_namespace`, so names persist between cells.
+        Each rank runs the cell in its namespace (:func:`nblaunch.rank.namespace.rank_namespace`),
+        so names persist between cells.
 
         Parameters
         ----------
@@ -415,7 +409,7 @@ class Pool:
         if chosen is not None:
             task.main_rank = chosen[0]
         self.last_failed_rank = None  # each cell's ranks forget the previous cell's failure
-        payload = serialize_payload(run_cell_on_rank, (task,))
+        payload = serialize_payload(namespace.run_cell, (task,))
         values = self.run_payload(
             payload,
             ranks=chosen,
@@ -472,7 +466,7 @@ class Pool:
         mode = display or self.display
         view = DeferredView(make_view(mode)) if mode != "none" else NullView()
         run = self._run
-        guard = _TaskGuard()
+        guard = TaskGuard()
         run.begin_task(
             view,
             task_ranks,
@@ -551,7 +545,9 @@ class Pool:
         if self.state is PoolState.IDLE:
             with contextlib.suppress(Exception):
                 values = self.run_payload(
-                    serialize_payload(_rank_info), description="%dist status", display="none"
+                    serialize_payload(namespace.rank_info),
+                    description="%dist status",
+                    display="none",
                 )
                 rank_info = dict(enumerate(values))
                 self.tasks_run -= 1  # asking for the status is not the person's work
@@ -663,97 +659,56 @@ class Pool:
             )
 
     def _end_task(
-        self, run: Any, guard: _TaskGuard, interrupted: bool
+        self, run: Run, guard: TaskGuard, interrupted: bool
     ) -> tuple[str, list[RootCause]]:
-        """Bring the task's ranks back to waiting for the next task.
+        """Bring the task's ranks back and decide what the pool does next
+        (:func:`~nblaunch.notebook.pool_task.decide_task_end`).
 
         Returns a note for the person (empty when all went to plan) and the ranks' failures
         that were only the pool's own interrupt.
-
-        After an interrupt or a failure, ranks still running get SIGINT. A rank that does not
-        come back within ``INTERRUPT_WAIT_S`` (stuck in C, e.g. in a collective whose peer
-        left) gets the pool restarted; a rank that died leaves the pool broken.
         """
-        outcome = run.outcome
-        stop_others = interrupted or outcome.root is not None
-        # The parent's interrupt reached every rank's task; after a failure only the others.
-        signalled = set(run.task_ranks) if interrupted else set()
-        if _pending(run) and not _deaths(run):
-            if stop_others:
-                signalled.update(_pending(run))
-                run.interrupt(_pending(run))
-            limit = INTERRUPT_WAIT_S if stop_others else FINISH_WAIT_S
-            deadline = time.monotonic() + limit
-            # A second press of the interrupt button stops the waiting.
-            while _pending(run) and time.monotonic() < deadline and guard.interrupts < 2:
-                run.pump(0.05)
-        for event in run.relay.drain_ready():
-            run.on_event(event)
-        # A KeyboardInterrupt the pool caused is not a failure of that rank: it was stopped.
-        stopped = [
-            f
-            for f in outcome.failures
-            if f.cause is Cause.FAILURE
-            and f.rank in signalled
-            and f.exc_type == "builtins.KeyboardInterrupt"
-        ]
-        outcome.failures = [f for f in outcome.failures if f not in stopped]
-        for failure in stopped:
-            why = "interrupted" if interrupted else "stopped after another rank failed"
-            run.set_state(failure.rank, RunState.STOPPED, why)
-        deaths = _deaths(run)
-        pending = _pending(run)
-        note = ""
-        if deaths:
-            rank = deaths[0].rank
-            if deaths[0].cause is Cause.NODE:
-                self._break(deaths[0].message)
-                node = rank // run.plan.nproc_per_node
-                lost = f"node {node} ({run.head.hosts.get(node, '?')})"
-                again = (
-                    "restart it (%dist restart, pool.restart()) once its node's join runs again, "
-                    "or with the nodes that remain (%dist restart --nodes N)"
-                )
-            else:
-                self._break(f"rank {rank} {deaths[0].message}")
-                lost = f"rank {rank}"
-                again = "run %dist restart (or pool.restart()) for fresh ranks"
-            note = f"The pool lost {lost}: {again}; names from earlier cells are gone."
-        elif pending:
+        stopped = settle_task(run, guard, interrupted)
+        lost, pending = lost_ranks(run), pending_ranks(run)
+        end = decide_task_end(lost, pending, guard.where(pending), self._describe_node)
+        if end.after is AfterTask.BROKEN:
+            self._break(end.problem)
+        elif end.after is AfterTask.RESTART:
             for rank in pending:
                 run.set_state(rank, RunState.STOPPED, "did not stop; the pool was restarted")
-            note = (
-                f"Rank(s) {', '.join(map(str, pending))} did not stop within "
-                f"{INTERRUPT_WAIT_S:g} s{guard.where(pending)}, so the pool was restarted: "
-                "fresh ranks, names from earlier cells are gone."
-            )
         else:
             for rank in run.task_ranks:
-                if rank not in outcome.results and run.states.get(rank) is RunState.RUNNING:
+                if rank not in run.outcome.results and run.states.get(rank) is RunState.RUNNING:
                     run.set_state(rank, RunState.STOPPED, "interrupted")
         ok = (
-            outcome.root is None
+            run.outcome.root is None
             and not interrupted
-            and not note
-            and len(outcome.results) == len(run.task_ranks)
+            and not end.note
+            and len(run.outcome.results) == len(run.task_ranks)
         )
-        if note:
+        if end.note:
+            broken = end.after is AfterTask.BROKEN
             run.publish(
                 diagnosis(
-                    "the pool lost a rank" if deaths else "the pool was restarted",
-                    note,
+                    "the pool lost a rank" if broken else "the pool was restarted",
+                    end.note,
                     "warning",
-                    deaths[0].rank if deaths else pending[0],
+                    lost[0].rank if broken else pending[0],
                 )
             )
         run.publish(run.run_ended(ok))
         run.view.close()
         self.last_task = f"{self.current_task} ({'ok' if ok else 'failed'})"
-        if pending and not deaths:
+        if end.after is AfterTask.RESTART:
             self._replace_ranks()
-        elif not deaths:
+        elif end.after is AfterTask.READY:
             self.state = PoolState.IDLE
-        return note, stopped
+        return end.note, stopped
+
+    def _describe_node(self, rank: int) -> str:
+        """``node 1 (host)``: the node of ``rank`` in a multi-node pool."""
+        assert self._run is not None
+        node = rank // self._run.plan.nproc_per_node
+        return f"node {node} ({self._run.head.hosts.get(node, '?')})"
 
     def _conclude(
         self, run: Any, interrupted: bool, note: str, stopped: list[RootCause]
@@ -816,63 +771,6 @@ class Pool:
                 run.backend.close()
 
 
-class _TaskGuard:
-    """A monitor for one pool task: takes the notebook's interrupt, and records heartbeats.
-
-    While a task runs, SIGINT in the notebook only counts; the watch loop turns it into a
-    ``KeyboardInterrupt`` at a safe point (``check``), never in the middle of reading a message
-    from a rank, which would leave the pool's pipes unreadable.
-    """
-
-    def __init__(self) -> None:
-        self.interrupts = 0
-        self.last_heartbeat: dict[int, dict[str, Any]] = {}
-
-    def install(self) -> Any:
-        try:
-            return signal.signal(signal.SIGINT, self._on_sigint)
-        except ValueError:  # not the main thread: interrupts cannot reach us anyway
-            return None
-
-    def uninstall(self, previous: Any) -> None:
-        if previous is not None:
-            with contextlib.suppress(ValueError):
-                signal.signal(signal.SIGINT, previous)
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        self.interrupts += 1
-
-    def on_event(self, run: Any, event: dict[str, Any]) -> None:
-        if event["kind"] == "heartbeat":
-            self.last_heartbeat[event["rank"]] = event
-
-    def check(self, run: Any) -> None:
-        if self.interrupts:
-            raise KeyboardInterrupt
-
-    def where(self, ranks: list[int]) -> str:
-        """Where stuck ranks were last seen, from their heartbeats, for the note."""
-        places = []
-        for rank in ranks:
-            beat = self.last_heartbeat.get(rank)
-            if beat and beat.get("where"):
-                inside = f" in {beat['collective']}" if beat.get("collective") else ""
-                places.append(f"rank {rank} at {beat['where']}{inside}")
-        return f" ({'; '.join(places)})" if places else " (probably waiting in a collective)"
-
-
-def _pending(run: Any) -> list[int]:
-    """Task ranks that have not sent "finished" yet."""
-    return [r for r in run.task_ranks if r not in run.outcome.finished]
-
-
-def _deaths(run: Any) -> list[RootCause]:
-    """Ranks the pool lost: dead processes, and the ranks of a lost node."""
-    root = run.outcome.root
-    lost_node = [root] if root is not None and root.cause is Cause.NODE else []
-    return [*lost_node, *run.outcome.deaths()]
-
-
 def parse_ranks(spec: Any, world_size: int) -> list[int]:
     """Turn ``0``, ``"0,2"``, ``"1-3"`` or ``[0, 2]`` into a sorted list of ranks.
 
@@ -908,54 +806,6 @@ def parse_ranks(spec: Any, world_size: int) -> list[int]:
             + (f"; {', '.join(map(str, bad))} do not exist" if bad else "")
         )
     return sorted(chosen)
-
-
-def _rank_info() -> dict[str, Any]:
-    """Runs on each rank for ``%dist status``: memory and the names cells defined."""
-    import psutil
-    import torch
-
-    context = worker.current()
-    device = context.device if context else torch.device("cpu")
-    info: dict[str, Any] = {
-        "device": str(device),
-        "device_mb": None,
-        "pid": os.getpid(),
-        "rss_mb": psutil.Process().memory_info().rss / 2**20,
-    }
-    if device.type == "cuda":
-        info["device_mb"] = torch.cuda.memory_allocated(device) / 2**20
-    info["names"] = sorted(
-        name
-        for name in _namespace
-        if not name.startswith("_") and name not in ("rank", "local_rank", "world_size", "device")
-    )
-    return info
-
-
-def run_cell_on_rank(task: Any) -> Any:
-    """On a rank: run a ``%%distributed`` cell in the namespace this rank keeps between cells."""
-    debugger.forget_failure()  # %dist debug opens the last cell's failure
-    return task(_namespace)
-
-
-def _pull_value(name: str) -> Any:
-    """On a rank: the value of ``name`` in its namespace, ready for the notebook."""
-    from nblaunch.rank.cell import to_notebook
-
-    if name not in _namespace:
-        defined = ", ".join(n for n in sorted(_namespace) if not n.startswith("_")) or "none"
-        raise NameError(f"rank {worker.rank()} has no name {name!r} (its names: {defined})")
-    return to_notebook(_namespace[name])
-
-
-def _push_value(name: str, value: Any) -> None:
-    """On a rank: bind ``name`` in its namespace, as a cell assigning it would."""
-    _namespace[name] = value
-
-
-def _post_mortem_on_rank() -> None:
-    debugger.post_mortem_last()
 
 
 def _describe_cell(source: str) -> str:

@@ -1,0 +1,183 @@
+"""How a pool's task ends: its ranks brought back, and what the pool does next.
+
+:func:`settle_task` is the mechanics (interrupt the ranks still running, read what they said);
+:func:`decide_task_end` is the decision, a pure function of what the ranks did: the pool is
+ready for the next cell, broken (a rank or a node was lost: only a restart helps), or restarted
+(a rank did not come back from an interrupt: fresh ranks, their names gone). The scripted engine
+tests (tests/test_engine.py) and tests/test_pool.py check both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nblaunch.engine.run import Run
+from nblaunch.engine.verdict import Cause, RootCause
+from nblaunch.events import RunState
+
+# How long the ranks of an interrupted or failed task get to come back before the pool restarts.
+INTERRUPT_WAIT_S = 3.0
+# A task whose results all arrived: how long to wait for each rank's closing "finished" event.
+FINISH_WAIT_S = 2.0
+
+
+class AfterTask(enum.Enum):
+    """What the pool does once a task's ranks are back (or not)."""
+
+    READY = "ready"  # the next cell can run on the same ranks
+    BROKEN = "broken"  # a rank or node was lost: restart or stop
+    RESTART = "restart"  # a rank did not come back: fresh ranks now
+
+
+@dataclass(frozen=True)
+class TaskEnd:
+    """The pool's decision after a task, and what to tell the person."""
+
+    after: AfterTask
+    note: str = ""  # for the cell's error and the view; empty when all went to plan
+    problem: str = ""  # why the pool is broken (``AfterTask.BROKEN``)
+
+
+def decide_task_end(
+    lost: list[RootCause],
+    pending: list[int],
+    where_stuck: str = "",
+    describe_node: Callable[[int], str] = lambda rank: f"the node of rank {rank}",
+) -> TaskEnd:
+    """What the pool does after a task.
+
+    Parameters
+    ----------
+    lost
+        Ranks the pool lost: deaths, or a lost node (``Cause.NODE``), first first.
+    pending
+        Task ranks that did not come back (no ``finished``) after the interrupt.
+    where_stuck
+        Where the pending ranks were last seen, for the note (``" (rank 1 at ...)"``).
+    describe_node
+        ``"node 1 (host)"`` for a rank of a lost node.
+    """
+    if lost:
+        first = lost[0]
+        if first.cause is Cause.NODE:
+            what, problem = describe_node(first.rank), first.message
+            again = (
+                "restart it (%dist restart, pool.restart()) once its node's join runs again, "
+                "or with the nodes that remain (%dist restart --nodes N)"
+            )
+        else:
+            what, problem = f"rank {first.rank}", f"rank {first.rank} {first.message}"
+            again = "run %dist restart (or pool.restart()) for fresh ranks"
+        note = f"The pool lost {what}: {again}; names from earlier cells are gone."
+        return TaskEnd(AfterTask.BROKEN, note, problem)
+    if pending:
+        note = (
+            f"Rank(s) {', '.join(map(str, pending))} did not stop within "
+            f"{INTERRUPT_WAIT_S:g} s{where_stuck}, so the pool was restarted: "
+            "fresh ranks, names from earlier cells are gone."
+        )
+        return TaskEnd(AfterTask.RESTART, note)
+    return TaskEnd(AfterTask.READY)
+
+
+def stopped_by_the_pool(failures: list[RootCause], signalled: set[int]) -> list[RootCause]:
+    """The failures that were only the pool's own interrupt (a KeyboardInterrupt it sent)."""
+    return [
+        f
+        for f in failures
+        if f.cause is Cause.FAILURE
+        and f.rank in signalled
+        and f.exc_type == "builtins.KeyboardInterrupt"
+    ]
+
+
+def pending_ranks(run: Run) -> list[int]:
+    """Task ranks that have not sent "finished" yet."""
+    return [r for r in run.task_ranks if r not in run.outcome.finished]
+
+
+def lost_ranks(run: Run) -> list[RootCause]:
+    """Ranks the pool lost: dead processes, and the ranks of a lost node."""
+    root = run.outcome.root
+    lost_node = [root] if root is not None and root.cause is Cause.NODE else []
+    return [*lost_node, *run.outcome.deaths()]
+
+
+def settle_task(run: Run, guard: TaskGuard, interrupted: bool) -> list[RootCause]:
+    """Bring the task's ranks back to waiting for the next task, as far as they come.
+
+    After an interrupt or a failure, ranks still running get SIGINT and ``INTERRUPT_WAIT_S`` to
+    come back (a second press of the interrupt button stops the waiting). What the ranks still
+    said is read, so it shows under this cell. Returns the failures that were only the pool's
+    own interrupt: they are taken out of the outcome and those ranks marked STOPPED.
+    """
+    outcome = run.outcome
+    stop_others = interrupted or outcome.root is not None
+    # The parent's interrupt reached every rank's task; after a failure only the others.
+    signalled = set(run.task_ranks) if interrupted else set()
+    if pending_ranks(run) and not lost_ranks(run):
+        if stop_others:
+            signalled.update(pending_ranks(run))
+            run.interrupt(pending_ranks(run))
+        deadline = run.now() + (INTERRUPT_WAIT_S if stop_others else FINISH_WAIT_S)
+        while pending_ranks(run) and run.now() < deadline and guard.interrupts < 2:
+            run.pump(0.05)
+    assert run.relay is not None
+    for event in run.relay.drain_ready():
+        run.on_event(event)
+    stopped = stopped_by_the_pool(outcome.failures, signalled)
+    outcome.failures = [f for f in outcome.failures if f not in stopped]
+    for failure in stopped:
+        why = "interrupted" if interrupted else "stopped after another rank failed"
+        run.set_state(failure.rank, RunState.STOPPED, why)
+    return stopped
+
+
+class TaskGuard:
+    """A monitor for one pool task: takes the notebook's interrupt, and records heartbeats.
+
+    While a task runs, SIGINT in the notebook only counts; the watch loop turns it into a
+    ``KeyboardInterrupt`` at a safe point (``check``), never in the middle of reading a message
+    from a rank, which would leave the pool's pipes unreadable.
+    """
+
+    def __init__(self) -> None:
+        self.interrupts = 0
+        self.last_heartbeat: dict[int, dict[str, Any]] = {}
+
+    def install(self) -> Any:
+        try:
+            return signal.signal(signal.SIGINT, self._on_sigint)
+        except ValueError:  # not the main thread: interrupts cannot reach us anyway
+            return None
+
+    def uninstall(self, previous: Any) -> None:
+        if previous is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGINT, previous)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.interrupts += 1
+
+    def on_event(self, run: Any, event: dict[str, Any]) -> None:
+        if event["kind"] == "heartbeat":
+            self.last_heartbeat[event["rank"]] = event
+
+    def check(self, run: Any) -> None:
+        if self.interrupts:
+            raise KeyboardInterrupt
+
+    def where(self, ranks: list[int]) -> str:
+        """Where stuck ranks were last seen, from their heartbeats, for the note."""
+        places = []
+        for rank in ranks:
+            beat = self.last_heartbeat.get(rank)
+            if beat and beat.get("where"):
+                inside = f" in {beat['collective']}" if beat.get("collective") else ""
+                places.append(f"rank {rank} at {beat['where']}{inside}")
+        return f" ({'; '.join(places)})" if places else " (probably waiting in a collective)"
