@@ -48,7 +48,7 @@ from nblaunch.options import (
     LaunchOptions,
     NodeOptions,
 )
-from nblaunch.rank import debugger, worker
+from nblaunch.ranks import debugger, worker
 
 # How long the ranks of an interrupted or failed task get to come back before the pool restarts.
 INTERRUPT_WAIT_S = 3.0
@@ -392,7 +392,7 @@ class Pool:
         hang_timeout: float | None = None,
         display: str | None = None,
     ) -> list[Any]:
-        """Run a ``%%distributed`` cell (a :class:`~nblaunch.rank.cell.CellTask`) on the pool.
+        """Run a ``%%distributed`` cell (a :class:`~nblaunch.ranks.cell.CellTask`) on the pool.
 
         Each rank runs the cell in its :func:`rank_namespace`, so names persist between cells.
 
@@ -941,7 +941,7 @@ def run_cell_on_rank(task: Any) -> Any:
 
 def _pull_value(name: str) -> Any:
     """On a rank: the value of ``name`` in its namespace, ready for the notebook."""
-    from nblaunch.rank.cell import to_notebook
+    from nblaunch.ranks.cell import to_notebook
 
     if name not in _namespace:
         defined = ", ".join(n for n in sorted(_namespace) if not n.startswith("_")) or "none"
