@@ -36,7 +36,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from nblaunch.rank.heartbeat import HEARTBEAT_INTERVAL_S, SAMPLE_INTERVAL_S
+from nblaunch.ranks.heartbeat import HEARTBEAT_INTERVAL_S, SAMPLE_INTERVAL_S
 
 DIVERGE_STEP = 3
 ROUNDS = 10
@@ -180,7 +180,7 @@ def sampling_cost() -> tuple[float, float]:
     thread STACK_DEPTH frames deep."""
     import pickle
 
-    from nblaunch.rank.heartbeat import HeartbeatThread
+    from nblaunch.ranks.heartbeat import HeartbeatThread
 
     result: list[float] = []
 
@@ -205,7 +205,7 @@ def sampling_cost() -> tuple[float, float]:
 def heartbeat_overhead() -> dict[str, float]:
     import torch
 
-    from nblaunch.rank.heartbeat import HeartbeatThread
+    from nblaunch.ranks.heartbeat import HeartbeatThread
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -15,16 +15,16 @@ from nblaunch.errors import (
 )
 from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
 from nblaunch.notebook.pool import Pool, start_pool
-from nblaunch.rank.debugger import breakpoint
-from nblaunch.rank.logging import get_logger
-from nblaunch.rank.memory import (
+from nblaunch.ranks.debugger import breakpoint
+from nblaunch.ranks.logging import get_logger
+from nblaunch.ranks.memory import (
     find_executable_batch_size,
     free_memory,
     per_device_batch_size,
     set_seed,
 )
-from nblaunch.rank.metrics import log_metrics
-from nblaunch.rank.ops import (
+from nblaunch.ranks.metrics import log_metrics
+from nblaunch.ranks.ops import (
     all_reduce,
     broadcast,
     broadcast_object_list,
@@ -35,7 +35,7 @@ from nblaunch.rank.ops import (
     reduce,
     set_trigger,
 )
-from nblaunch.rank.worker import (
+from nblaunch.ranks.worker import (
     device,
     is_main_process,
     local_rank,

@@ -110,7 +110,7 @@ class Failure(TypedDict):
 
 
 class DebugPrompt(TypedDict):
-    """A rank's debugger waits for a command (nblaunch.rank.debugger)."""
+    """A rank's debugger waits for a command (nblaunch.ranks.debugger)."""
 
     kind: Literal["debug"]
     rank: int

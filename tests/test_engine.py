@@ -31,7 +31,7 @@ from nblaunch.errors import DistributedHangError, LaunchTimeoutError
 from nblaunch.events import RunState
 from nblaunch.notebook.widgets import RecordingView
 from nblaunch.options import LaunchOptions
-from nblaunch.rank.memory import RESTART_OPTION
+from nblaunch.ranks.memory import RESTART_OPTION
 
 
 def train() -> None:

@@ -15,7 +15,7 @@ from nblaunch.engine.plan import plan_launch, serialize_payload
 from nblaunch.engine.run import Run
 from nblaunch.notebook.widgets import RecordingView
 from nblaunch.options import LaunchOptions
-from nblaunch.rank.logging import RankLogger
+from nblaunch.ranks.logging import RankLogger
 
 
 class Recorder(RecordingView):

@@ -20,7 +20,7 @@ from IPython.testing.globalipapp import get_ipython
 
 from nblaunch.notebook import magics
 from nblaunch.notebook.cell import build_cell_task, names_read
-from nblaunch.rank.cell import CellTask, to_notebook
+from nblaunch.ranks.cell import CellTask, to_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,8 +22,8 @@ from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
 from nblaunch.notebook.widgets import RecordingView
 from nblaunch.options import LaunchOptions
-from nblaunch.rank import memory
-from nblaunch.rank.memory import (
+from nblaunch.ranks import memory
+from nblaunch.ranks.memory import (
     find_executable_batch_size,
     free_memory,
     is_out_of_memory,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import nblaunch
 from nblaunch import DistributedOperationException, notebook_launcher
-from nblaunch.rank.ops import call_site, mismatch_message, verified_collectives
+from nblaunch.ranks.ops import call_site, mismatch_message, verified_collectives
 
 SHAPE_TABLE = """\
 Cannot apply desired operation due to shape mismatches. All shapes across devices must be valid.
@@ -116,7 +116,7 @@ def _mismatched_broadcast(use_torch):
 
 @pytest.mark.parametrize(
     ("use_torch", "op"),
-    [(False, "nblaunch.rank.ops.broadcast"), (True, "torch.distributed.broadcast")],
+    [(False, "nblaunch.ranks.ops.broadcast"), (True, "torch.distributed.broadcast")],
 )
 def test_mismatched_broadcast_raises_on_every_rank_in_debug_mode(use_torch, op):
     rank0, rank1 = launch(_mismatched_broadcast, (use_torch,), debug=True)
@@ -143,7 +143,7 @@ def test_in_the_notebook_the_report_is_raised_once_as_the_root_cause():
     with pytest.raises(DistributedOperationException) as info:
         launch(mismatch, debug=True)
     assert time.monotonic() - started < 30  # an error, not a hang
-    assert str(info.value).startswith(SHAPE_TABLE.format(op="nblaunch.rank.ops.broadcast"))
+    assert str(info.value).startswith(SHAPE_TABLE.format(op="nblaunch.ranks.ops.broadcast"))
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "raised on every rank (2 of 2)" in notes  # the verdict is every rank's, not one's
     assert "Input shapes" not in notes  # the other ranks' identical reports are not repeated

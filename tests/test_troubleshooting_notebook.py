@@ -91,7 +91,7 @@ def test_debug_mode_reports_the_shapes_and_the_cell_lines(executed):
     error = next(o for o in cell.outputs if o.output_type == "error")
     assert error.evalue.startswith(
         "Cannot apply desired operation due to shape mismatches. All shapes across devices "
-        "must be valid.\n\nOperation: `nblaunch.rank.ops.broadcast`\nInput shapes:\n"
+        "must be valid.\n\nOperation: `nblaunch.ranks.ops.broadcast`\nInput shapes:\n"
         "  - Process 0: [1, 5]\n  - Process 1: [1, 2, 5]\n"
     )
     assert "  - Process 1: cell line 7" in error.evalue

@@ -14,7 +14,7 @@ from nblaunch import DistributedHangError, notebook_launcher
 from nblaunch.engine import hang
 from nblaunch.engine.hang import HangMonitor, find_straggler
 from nblaunch.events import RunState
-from nblaunch.rank.heartbeat import HeartbeatThread, read_position
+from nblaunch.ranks.heartbeat import HeartbeatThread, read_position
 
 
 def line_of(function, marker: str) -> int:

@@ -1,5 +1,5 @@
 """The notebook's side of a rank's debugger: the person answers each prompt (see
-:mod:`nblaunch.rank.debugger`).
+:mod:`nblaunch.ranks.debugger`).
 
 While a rank waits in the debugger its badge says DEBUGGING, the others' say they wait for it,
 and the run's clocks are paused (``RunContext.pause``): the hang watchdog does not judge and
@@ -13,7 +13,7 @@ from typing import Any
 
 from nblaunch.engine.monitor import RunContext
 from nblaunch.events import RunState, diagnosis
-from nblaunch.rank.debugger import RankPdb
+from nblaunch.ranks.debugger import RankPdb
 
 
 def ask(rank: int, output: str, prompt: str) -> str:

@@ -1,6 +1,6 @@
 """The hang watchdog in the notebook: stops runs that can never finish, names stragglers.
 
-:class:`HangMonitor` reads the heartbeats the ranks send (:mod:`nblaunch.rank.heartbeat`) and
+:class:`HangMonitor` reads the heartbeats the ranks send (:mod:`nblaunch.ranks.heartbeat`) and
 stops a run that can never finish, with a :class:`~nblaunch.errors.DistributedHangError` that
 names the rank and line:
 
@@ -25,7 +25,7 @@ from nblaunch.engine.monitor import RunContext
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, RankFailedError
 from nblaunch.events import Heartbeat, RunState, diagnosis
-from nblaunch.rank import process_groups
+from nblaunch.ranks import process_groups
 
 # Parent side: a rank returned while another waits in a collective. With sequence numbers the
 # hang is certain and is reported this long after the return; without, the waiting rank must

@@ -24,7 +24,7 @@ from nblaunch.engine.supervisor import check_start_method
 from nblaunch.errors import LaunchError
 from nblaunch.events import SETUP, RunInfo, Setup
 from nblaunch.options import DEVICE_TYPES, FALSE_VALUES, LaunchOptions, debug_from_env
-from nblaunch.rank import process_groups
+from nblaunch.ranks import process_groups
 
 # Run directories kept under the default base (NBLAUNCH_KEEP_RUNS changes it; 0 keeps all).
 KEEP_RUNS = 50
@@ -205,7 +205,7 @@ def plan_launch(
         device_kind=device_kind,
         warnings=warnings,
         notes=notes,
-        # nblaunch.rank.debugger reads it in the ranks (kept out of the options when off).
+        # nblaunch.ranks.debugger reads it in the ranks (kept out of the options when off).
         options={"debug_on_error": True} if options.debug_on_error else {},
     )
 

@@ -479,7 +479,7 @@ class Relay:
             handle(event)
 
     def write_metrics(self, event: dict[str, Any]) -> None:
-        """Append a ``metrics`` event to ``<run dir>/metrics.jsonl`` (nblaunch.rank.metrics)."""
+        """Append a ``metrics`` event to ``<run dir>/metrics.jsonl`` (nblaunch.ranks.metrics)."""
         if self.run_dir is None:
             return
         if self._metrics_file is None:

@@ -31,8 +31,8 @@ from typing import Any
 
 from nblaunch.errors import LaunchError
 from nblaunch.options import env_off, refuse_unknown_start_method
-from nblaunch.rank import containment, semaphores
-from nblaunch.rank.worker import RANK_FEATURES
+from nblaunch.ranks import containment, semaphores
+from nblaunch.ranks.worker import RANK_FEATURES
 
 PIPE_SIZE = 1 << 20
 # Modules the forkserver imports once, so that every rank it forks has them already.
@@ -41,10 +41,10 @@ FORKSERVER_PRELOAD = [
     "torch.distributed",
     "cloudpickle",
     "tblib.pickling_support",
-    "nblaunch.rank.worker",
-    "nblaunch.rank.default_group",
+    "nblaunch.ranks.worker",
+    "nblaunch.ranks.default_group",
     "nblaunch.pickling",
-    "nblaunch.rank.cell",  # what a %%distributed cell unpickles into (5 ms to import)
+    "nblaunch.ranks.cell",  # what a %%distributed cell unpickles into (5 ms to import)
     *RANK_FEATURES,
 ]
 
@@ -122,7 +122,7 @@ class Supervisor:
         setup: Callable[[int], dict[str, Any]] | None = None,
         wait_for_previous: bool = True,
     ) -> None:
-        """Start one process per rank, running :func:`nblaunch.rank.worker.main`.
+        """Start one process per rank, running :func:`nblaunch.ranks.worker.main`.
 
         ``setup(rank)``, when given, is sent to each rank as soon as its process exists, so a
         rank sets itself up while the next one is still being started. With
@@ -165,7 +165,7 @@ class Supervisor:
 
     def _prepare(self) -> None:
         # Ranks must share this process's resource tracker (forked ones too), so that what a
-        # killed rank left registered can be released from here (nblaunch.rank.semaphores).
+        # killed rank left registered can be released from here (nblaunch.ranks.semaphores).
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
@@ -173,10 +173,10 @@ class Supervisor:
             self.semaphore_dir = semaphores.directory()
 
     def fork_rank(self, rank: int) -> RankProcess:
-        """Start one process running :func:`nblaunch.rank.worker.main`; it waits for its set-up."""
+        """Start one process running :func:`nblaunch.ranks.worker.main`; it waits for its set-up."""
         import torch.multiprocessing as mp
 
-        from nblaunch.rank import worker
+        from nblaunch.ranks import worker
 
         if self.semaphore_dir is None:
             self._prepare()

@@ -47,7 +47,7 @@ from typing import Any
 
 from nblaunch import tracebacks
 from nblaunch.errors import LaunchError
-from nblaunch.rank.cell import (
+from nblaunch.ranks.cell import (
     INJECTED_NAMES,
     MODULE_DUNDERS,
     CellResult,

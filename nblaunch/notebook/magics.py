@@ -3,7 +3,7 @@
 ``%load_ext nblaunch`` calls :func:`register`; ``%unload_ext`` / ``%reload_ext`` call
 :func:`unregister` first. Loading is cheap: torch is imported when a cell runs, not before.
 
-``%%distributed`` turns its cell into a :class:`~nblaunch.rank.cell.CellTask` (see :mod:`nblaunch.notebook.cell`)
+``%%distributed`` turns its cell into a :class:`~nblaunch.ranks.cell.CellTask` (see :mod:`nblaunch.notebook.cell`)
 and runs it with :func:`~nblaunch.notebook.launcher.notebook_launcher`, or, when
 ``nblaunch.notebook.pool.current_pool()`` returns a pool, on that pool with
 ``pool.run_cell(task, ranks=SPEC_OR_NONE, timeout=..., hang_timeout=...)``, which returns one
@@ -28,10 +28,10 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nblaunch.errors import LaunchError
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LOG_LEVELS, START_METHODS, START_NODES
-from nblaunch.rank.worker import import_features
+from nblaunch.ranks.worker import import_features
 
 if TYPE_CHECKING:
-    from nblaunch.rank.cell import CellTask
+    from nblaunch.ranks.cell import CellTask
 
 # Modules that register %dist sub-commands when imported.
 DIST_FEATURES = ("nblaunch.notebook.pool", "nblaunch.engine.doctor")
@@ -336,7 +336,7 @@ class DistributedMagics(Magics):
 def prepare_cell(
     shell: Any, line: str, cell: str, *, outputs: list[str] | tuple[str, ...] = ()
 ) -> CellTask:
-    """Build the :class:`~nblaunch.rank.cell.CellTask` for a ``%%distributed`` cell.
+    """Build the :class:`~nblaunch.ranks.cell.CellTask` for a ``%%distributed`` cell.
 
     The cell is registered with IPython's compiler under a name of its own, as the person
     sees it (the ``%%distributed`` line, then the body), so tracebacks read
@@ -353,7 +353,7 @@ def prepare_cell(
     """
     __tracebackhide__ = True
     from nblaunch.notebook.cell import build_cell_task
-    from nblaunch.rank.cell import parse_cell
+    from nblaunch.ranks.cell import parse_cell
 
     display = f"%%distributed {line}".rstrip() + "\n" + cell
     number = _cell_number(shell)

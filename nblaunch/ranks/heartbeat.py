@@ -38,8 +38,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from nblaunch.events import Heartbeat, InFlightInfo
-from nblaunch.rank import process_groups, worker
-from nblaunch.rank.worker import RankContext, add_task_hook, emit
+from nblaunch.ranks import process_groups, worker
+from nblaunch.ranks.worker import RankContext, add_task_hook, emit
 
 if TYPE_CHECKING:
     pass
@@ -108,7 +108,7 @@ def _is_collective_name(name: str) -> bool:
 # Where nblaunch calls the user's task: the frames above it are the process bootstrap (the
 # forkserver's ``<string>`` frame) and nblaunch's loop, never the user's code.
 _TASK_ENTRY = worker._run_task.__code__
-# Debug mode's check before a collective (nblaunch.rank.ops.verify): its frame names the operation.
+# Debug mode's check before a collective (nblaunch.ranks.ops.verify): its frame names the operation.
 _VERIFY = ("verify", os.path.join(_NBLAUNCH_DIR, "ops.py"))
 
 
@@ -279,7 +279,7 @@ class HeartbeatThread:
     rank
         The rank the heartbeats are for.
     send
-        Where heartbeats go (``nblaunch.rank.worker.emit`` in a rank).
+        Where heartbeats go (``nblaunch.ranks.worker.emit`` in a rank).
     target
         Ident of the thread to watch; default the thread that creates this object.
     """

@@ -1,4 +1,4 @@
-"""One line of user code to chart a framework's metrics in the notebook (``nblaunch.rank.metrics``).
+"""One line of user code to chart a framework's metrics in the notebook (``nblaunch.ranks.metrics``).
 
 - Transformers: ``Trainer(..., callbacks=[TrainerMetrics()])``: what the Trainer logs (loss,
   learning rate, grad norm, eval metrics) goes to :func:`nblaunch.log_metrics` at its global step.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nblaunch.rank.metrics import log_metrics
+from nblaunch.ranks.metrics import log_metrics
 
 _CLASSES = ("AccelerateMetrics", "LightningMetrics", "TrainerMetrics")
 _made: dict[str, type] = {}

@@ -30,7 +30,7 @@ from typing import Any
 
 from nblaunch.errors import safe_str
 from nblaunch.events import SETUP, STOP, Event, Failure
-from nblaunch.rank import containment
+from nblaunch.ranks import containment
 
 # After a rank hung up, how long its exit may wait for threads the user's code left running.
 EXIT_AFTER_HANG_UP_S = 1.0
@@ -58,11 +58,11 @@ _channel: _Channel | None = None
 _tree_marker: str | None = None  # see containment.TREE_ENV
 # Modules imported in every rank at setup; each registers its task hooks (see add_task_hook).
 RANK_FEATURES = (
-    "nblaunch.rank.logging",
-    "nblaunch.rank.ops",
-    "nblaunch.rank.memory",
-    "nblaunch.rank.heartbeat",
-    "nblaunch.rank.debugger",
+    "nblaunch.ranks.logging",
+    "nblaunch.ranks.ops",
+    "nblaunch.ranks.memory",
+    "nblaunch.ranks.heartbeat",
+    "nblaunch.ranks.debugger",
 )
 # Hooks other modules register to run around each task (debug patches, heartbeats, logging).
 _task_hooks: list[Callable[[RankContext], contextlib.AbstractContextManager[Any]]] = []
@@ -145,7 +145,7 @@ def main(
         even though its parent process may be a forkserver.
     semaphore_dir
         Where this rank notes its multiprocessing semaphores, so that the supervisor can
-        release those it leaves when it is killed (:mod:`nblaunch.rank.semaphores`).
+        release those it leaves when it is killed (:mod:`nblaunch.ranks.semaphores`).
     tree_marker
         The run's value of ``containment.TREE_ENV``, inherited by whatever the rank starts.
     """
@@ -156,13 +156,13 @@ def main(
     with contextlib.suppress(OSError):
         os.setpgrp()
     # Whatever the rank starts stays in its tree, even a daemon's double fork, so that it can
-    # be ended with the rank (nblaunch.rank.containment).
+    # be ended with the rank (nblaunch.ranks.containment).
     containment.become_subreaper()
     # The launcher sends SIGINT to interrupt a task: make it a KeyboardInterrupt here.
     signal.signal(signal.SIGINT, _on_sigint)
     _redirect_output(stdout_w, stderr_w)
     _watch_launcher(launcher_pid)
-    from nblaunch.rank import semaphores
+    from nblaunch.ranks import semaphores
 
     semaphores.track(semaphore_dir)
     _channel = _Channel(conn)
@@ -311,7 +311,7 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
         )
         import_features()
         if setup["init_process_group"]:
-            from nblaunch.rank import default_group
+            from nblaunch.ranks import default_group
 
             # Also takes over init_process_group, so code that makes its own group works.
             default_group.set_up(
@@ -412,7 +412,7 @@ def _run_task(message: dict[str, Any]) -> None:
             for hook in _task_hooks:
                 hooks.enter_context(hook(_context))
             if message.get("all_ranks", True):  # only every rank at once can make a group
-                from nblaunch.rank import default_group
+                from nblaunch.ranks import default_group
 
                 # The previous task may have destroyed it; inside the hooks, so a rank that
                 # waits here for a peer that never comes shows in its heartbeats.
@@ -486,7 +486,7 @@ def _innermost_user_frame(exc: BaseException) -> str:
 
 
 def _tear_down() -> None:
-    from nblaunch.rank import default_group
+    from nblaunch.ranks import default_group
 
     default_group.tear_down()  # also when the user destroyed the group already; never raises
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from nblaunch.rank import worker
+from nblaunch.ranks import worker
 
 # Added by log_metrics on CUDA ranks: peak allocated device memory, GiB.
 CUDA_PEAK = "cuda peak GiB"

@@ -30,7 +30,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from nblaunch.errors import safe_str
-from nblaunch.rank import worker
+from nblaunch.ranks import worker
 
 # The setup option that asks for a post-mortem of a failing task before it is reported.
 DEBUG_ON_ERROR_OPTION = "debug_on_error"

@@ -33,7 +33,7 @@ from typing import Any
 
 from nblaunch.errors import DistributedOperationException
 from nblaunch.options import debug_from_env
-from nblaunch.rank import worker
+from nblaunch.ranks import worker
 
 # Bytes each rank contributes to the verification all_gather; a record is ~200 bytes, and one
 # that does not fit lists fewer tensors (the comparison still uses digests of all of them).
@@ -161,7 +161,7 @@ def verify(
     Parameters
     ----------
     operation
-        Shown in the report, e.g. ``"nblaunch.rank.ops.broadcast"``.
+        Shown in the report, e.g. ``"nblaunch.ranks.ops.broadcast"``.
     inputs
         The tensors this rank passes.
     rule
@@ -743,7 +743,7 @@ def gather(tensor: Any) -> Any:
     if _world() < 2:
         return tensor
     if debug_enabled():
-        verify("nblaunch.rank.ops.gather", inputs=_tensors(tensor))
+        verify("nblaunch.ranks.ops.gather", inputs=_tensors(tensor))
     world = _world()
     gather_flat = _all_gather_flat()
 
@@ -770,7 +770,7 @@ def gather_object(obj: Any) -> list[Any]:
     if _world() < 2:
         return list(obj) if isinstance(obj, (list, tuple)) else [obj]
     if debug_enabled():
-        verify("nblaunch.rank.ops.gather_object", rule="none")
+        verify("nblaunch.ranks.ops.gather_object", rule="none")
     gathered: list[Any] = [None] * dist.get_world_size()
     with _verified_region():
         _original("all_gather_object")(gathered, obj)
@@ -798,7 +798,7 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
         return tensor
     if debug_enabled():
         verify(
-            "nblaunch.rank.ops.broadcast",
+            "nblaunch.ranks.ops.broadcast",
             inputs=_tensors(tensor),
             args={"from_process": from_process},
         )
@@ -816,7 +816,7 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
         return object_list
     if debug_enabled():
         verify(
-            "nblaunch.rank.ops.broadcast_object_list",
+            "nblaunch.ranks.ops.broadcast_object_list",
             rule="none",
             args={"from_process": from_process, "len(object_list)": len(object_list)},
         )
@@ -861,7 +861,7 @@ def all_reduce(tensor: Any, op: str = "sum") -> Any:
     if _world() < 2:
         return tensor
     if debug_enabled():
-        verify("nblaunch.rank.ops.all_reduce", inputs=_tensors(tensor), args={"op": op})
+        verify("nblaunch.ranks.ops.all_reduce", inputs=_tensors(tensor), args={"op": op})
     world = _world()
     send = _original("all_reduce")
 
@@ -893,7 +893,7 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     reduce_op = _reduce_op(reduction)
     world = _world()
     if world >= 2 and debug_enabled():
-        verify("nblaunch.rank.ops.reduce", inputs=_tensors(tensor), args={"reduction": reduction})
+        verify("nblaunch.ranks.ops.reduce", inputs=_tensors(tensor), args={"reduction": reduction})
     send = _original("all_reduce") if world >= 2 else None
 
     def one(t: Any) -> Any:
@@ -932,7 +932,7 @@ def pad_across_processes(
         return tensor
     if debug_enabled():
         verify(
-            "nblaunch.rank.ops.pad_across_processes",
+            "nblaunch.ranks.ops.pad_across_processes",
             inputs=_tensors(tensor),
             rule="same_except_dim",
             dim=dim,
@@ -992,7 +992,7 @@ def check_trigger() -> bool:
         fired = _trigger
     else:
         if debug_enabled():
-            verify("nblaunch.rank.ops.check_trigger", rule="none")
+            verify("nblaunch.ranks.ops.check_trigger", rule="none")
         flag = torch.tensor([1 if _trigger else 0], dtype=torch.int32, device=_collective_device())
         _original("all_reduce")(flag)
         fired = bool(flag.item())

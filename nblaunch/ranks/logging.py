@@ -25,8 +25,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nblaunch.rank import worker
-from nblaunch.rank.heartbeat import collective_sequence
+from nblaunch.ranks import worker
+from nblaunch.ranks.heartbeat import collective_sequence
 
 LEVEL_ENV = ("NBLAUNCH_LOG_LEVEL", "ACCELERATE_LOG_LEVEL")
 _IN_ORDER_ATTR = "nblaunch_in_order"

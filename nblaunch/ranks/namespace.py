@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nblaunch.rank import debugger, worker
-from nblaunch.rank.cell import INJECTED_NAMES, to_notebook
+from nblaunch.ranks import debugger, worker
+from nblaunch.ranks.cell import INJECTED_NAMES, to_notebook
 
 # Inside a rank: the namespace %%distributed cells run in; it persists between tasks.
 _namespace: dict[str, Any] = {}

@@ -109,7 +109,7 @@ class CellTask:
         import cloudpickle
 
         from nblaunch import pickling
-        from nblaunch.rank import worker
+        from nblaunch.ranks import worker
 
         context = worker.current()
         if context is None:  # called in-process (tests, a single process): rank 0 of 1

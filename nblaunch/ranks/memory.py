@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nblaunch.errors import NoExecutableBatchSizeError
-from nblaunch.rank import worker
+from nblaunch.ranks import worker
 
 # Text of out-of-memory errors that do not come as torch.OutOfMemoryError.
 OOM_MESSAGES = (
