@@ -55,11 +55,7 @@ from nblaunch.options import (
     LaunchOptions,
     NodeOptions,
 )
-<<<<<<< HEAD
 from nblaunch.ranks import namespace
-=======
-from nblaunch.ranks import debugger, worker
->>>>>>> main
 
 # How long starting the ranks (imports, device, process group) may take.
 START_TIMEOUT_S = 120.0
@@ -812,57 +808,6 @@ def parse_ranks(spec: Any, world_size: int) -> list[int]:
     return sorted(chosen)
 
 
-<<<<<<< HEAD
-=======
-def _rank_info() -> dict[str, Any]:
-    """Runs on each rank for ``%dist status``: memory and the names cells defined."""
-    import psutil
-    import torch
-
-    context = worker.current()
-    device = context.device if context else torch.device("cpu")
-    info: dict[str, Any] = {
-        "device": str(device),
-        "device_mb": None,
-        "pid": os.getpid(),
-        "rss_mb": psutil.Process().memory_info().rss / 2**20,
-    }
-    if device.type == "cuda":
-        info["device_mb"] = torch.cuda.memory_allocated(device) / 2**20
-    info["names"] = sorted(
-        name
-        for name in _namespace
-        if not name.startswith("_") and name not in ("rank", "local_rank", "world_size", "device")
-    )
-    return info
-
-
-def run_cell_on_rank(task: Any) -> Any:
-    """On a rank: run a ``%%distributed`` cell in the namespace this rank keeps between cells."""
-    debugger.forget_failure()  # %dist debug opens the last cell's failure
-    return task(_namespace)
-
-
-def _pull_value(name: str) -> Any:
-    """On a rank: the value of ``name`` in its namespace, ready for the notebook."""
-    from nblaunch.ranks.cell import to_notebook
-
-    if name not in _namespace:
-        defined = ", ".join(n for n in sorted(_namespace) if not n.startswith("_")) or "none"
-        raise NameError(f"rank {worker.rank()} has no name {name!r} (its names: {defined})")
-    return to_notebook(_namespace[name])
-
-
-def _push_value(name: str, value: Any) -> None:
-    """On a rank: bind ``name`` in its namespace, as a cell assigning it would."""
-    _namespace[name] = value
-
-
-def _post_mortem_on_rank() -> None:
-    debugger.post_mortem_last()
-
-
->>>>>>> main
 def _describe_cell(source: str) -> str:
     first = next((line.strip() for line in source.splitlines() if line.strip()), "")
     return "cell: " + (first if len(first) <= 60 else first[:57] + "...")
