@@ -1,6 +1,7 @@
 """The ``nblaunch`` command.
 
-``nblaunch env [--hostfile FILE]`` prints the environment report (see :mod:`nblaunch.engine.doctor`);
+``nblaunch env [--hostfile FILE]`` prints the environment report (see
+:mod:`nblaunch.engine.doctor`);
 ``nblaunch run SCRIPT -n N [-- ARGS...]`` runs a script on N ranks through ``notebook_launcher``,
 with every rank's output prefixed and the failing rank's own error at the end.
 

@@ -4,7 +4,8 @@
 pipes (the relay reads them exactly as it reads a process's) and a script instead of a process.
 A test gives a *behaviour*: for each message the engine sends a rank (``setup``, ``task``,
 ``stop``, ``debug_input``, and ``sigint`` for an interrupt), the steps that rank takes, each
-``(seconds later, action)``. An action is an event the rank sends (a dict), :class:`Print` (a
+``(seconds later, action)``, or ``None`` for what a rank does by default
+(:func:`default_behaviour`). An action is an event the rank sends (a dict), :class:`Print` (a
 line on its stdout) or :class:`Exit` (the process ends). Steps become due on the
 :class:`ScriptedClock`, which jumps ahead by every wait instead of sleeping, so a scripted
 "hang" of five minutes is judged in milliseconds.
@@ -62,7 +63,7 @@ class Interrupt:
 
 
 Step = tuple[float, Any]
-Behaviour = Callable[[int, dict[str, Any]], list[Step]]
+Behaviour = Callable[[int, dict[str, Any]], list[Step] | None]
 
 
 @dataclass
@@ -230,7 +231,7 @@ class ScriptedRanks:
 
     def _react(self, rank: int, message: dict[str, Any]) -> list[Step]:
         steps = self.behaviour(rank, message)
-        return steps if steps else default_behaviour(rank, message)
+        return default_behaviour(rank, message) if steps is None else steps
 
     def _schedule(self, rank: int, steps: list[Step]) -> None:
         for delay, action in steps:

@@ -20,15 +20,16 @@ from scripted import (
     heartbeat,
     raises,
     returns,
-    started,
 )
 
 from nblaunch.engine.hang import FINISHED_GRACE_S
 from nblaunch.engine.plan import plan_launch, serialize_payload
 from nblaunch.engine.run import Run
-from nblaunch.engine.verdict import SECONDARY_GRACE_S
-from nblaunch.errors import DistributedHangError, LaunchTimeoutError
+from nblaunch.engine.verdict import SECONDARY_GRACE_S, Cause, RootCause
+from nblaunch.errors import DistributedHangError, LaunchError, LaunchTimeoutError
 from nblaunch.events import RunState
+from nblaunch.notebook.pool import Pool, PoolState
+from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
 from nblaunch.notebook.widgets import RecordingView
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks.memory import RESTART_OPTION
@@ -52,7 +53,7 @@ def test_a_scripted_run_returns_every_value_without_a_process():
     def behaviour(rank, message):
         if message["kind"] == "task":
             return [(0.0, Print(f"hello from {rank}")), *((0.1, e) for e in returns(rank, rank))]
-        return []
+        return None
 
     run, script = run_script(behaviour)
     began = time.monotonic()
@@ -69,7 +70,7 @@ def test_a_primary_failure_wins_over_an_earlier_secondary_one_without_the_grace(
 
     def behaviour(rank, message):
         if message["kind"] != "task":
-            return []
+            return None
         if rank == 0:
             return [(0.2, e) for e in raises(0, echo)]
         return [(1.0, e) for e in raises(1, ValueError("boom on rank 1"))]
@@ -89,7 +90,7 @@ def test_a_secondary_failure_alone_is_the_cause_once_its_grace_ran_out():
 
     def behaviour(rank, message):
         if message["kind"] != "task":
-            return []
+            return None
         return [(0.2, e) for e in raises(0, echo)] if rank == 0 else []  # rank 1: silent
 
     run, script = run_script(behaviour)
@@ -104,7 +105,7 @@ def test_a_secondary_failure_alone_is_the_cause_once_its_grace_ran_out():
 def test_a_rank_that_returned_while_its_peer_waits_is_a_hang_within_a_second():
     def behaviour(rank, message):
         if message["kind"] != "task":
-            return []
+            return None
         if rank == 1:  # four collectives, then it leaves the loop early
             return [(0.5, heartbeat(1, seq=4)), *((0.6, e) for e in returns(1, "done"))]
         # rank 0 waits in its fifth collective, reporting every second
@@ -121,7 +122,7 @@ def test_a_rank_that_returned_while_its_peer_waits_is_a_hang_within_a_second():
 def test_no_progress_is_a_hang_after_hang_timeout_on_the_runs_clock():
     def behaviour(rank, message):
         if message["kind"] != "task":
-            return []
+            return None
         return [
             (t, heartbeat(rank, collective="barrier" if rank == 0 else None, seq=1, still=t))
             for t in range(1, 400)
@@ -138,9 +139,9 @@ def test_no_progress_is_a_hang_after_hang_timeout_on_the_runs_clock():
 
 def test_the_timeout_names_the_ranks_still_running():
     def behaviour(rank, message):
-        if message["kind"] == "task" and rank == 0:
-            return [(0.1, e) for e in returns(0, 0)]
-        return []
+        if message["kind"] != "task":
+            return None
+        return [(0.1, e) for e in returns(0, 0)] if rank == 0 else []  # rank 1 goes on
 
     run, script = run_script(behaviour, timeout=5.0)
     t0 = script.clock.now()
@@ -153,7 +154,7 @@ def test_an_interrupt_stops_every_rank_and_is_raised_again():
     def behaviour(rank, message):
         if message["kind"] == "task":
             return [(2.0, Interrupt())] if rank == 0 else []
-        return []
+        return None
 
     run, script = run_script(behaviour)
     with pytest.raises(KeyboardInterrupt):
@@ -186,11 +187,8 @@ def test_a_peers_out_of_memory_restarts_every_rank_at_the_smaller_size():
     }
 
     def behaviour(rank, message):
-        kind = message["kind"]
-        if kind == "setup":
-            return [(0.0, started(rank))]
-        if kind != "task":
-            return []
+        if message["kind"] != "task":
+            return None
         restarted = RESTART_OPTION in script.backends[-1].setup_options(rank)
         if restarted:
             return [(0.1, e) for e in returns(rank, 64)]
@@ -211,10 +209,103 @@ def test_a_rank_that_dies_is_the_cause_with_its_exit():
     def behaviour(rank, message):
         if message["kind"] == "task":
             return [(0.3, Exit(-9))] if rank == 1 else []
-        return []
+        return None
 
     run, _ = run_script(behaviour)
     with pytest.raises(Exception, match="rank 1") as caught:
         run.execute(payload())
     assert "SIGKILL" in str(caught.value)
     assert run.outcome.root.rank == 1
+
+
+# --- a persistent pool on the scripted backend ---------------------------------------------------
+
+
+def task_number(message: dict[str, Any]) -> int:
+    return message["task_id"]
+
+
+def start_scripted_pool(behaviour: Any) -> tuple[Pool, Script]:
+    script = Script(behaviour)
+    pool = Pool(2, device_type="cpu", display="none", backend=script, clock=script.clock)
+    return pool.start(), script
+
+
+def test_a_pool_task_that_fails_leaves_the_pool_ready_for_the_next_one():
+    def behaviour(rank, message):
+        if message["kind"] != "task":
+            return None
+        if task_number(message) == 1:  # rank 1 fails; rank 0 waits for it in a collective
+            return [(0.2, e) for e in raises(1, ValueError("boom"))] if rank == 1 else []
+        return [(0.1, e) for e in returns(rank, rank * 10)]
+
+    pool, script = start_scripted_pool(behaviour)
+    try:
+        with pytest.raises(ValueError, match="boom"):
+            pool.run(train)
+        assert pool.state is PoolState.IDLE
+        assert script.backends[0].interrupted == [0]  # the pool stopped rank 0's task
+        assert pool.run(train) == [0, 10]  # the same ranks take the next task
+        assert len(script.backends) == 1 and pool.restarts == 0
+        assert pool.last_failed_rank == 1
+    finally:
+        pool.close()
+    assert script.backends[0].stopped or all(not r.process.alive for r in script.backends[0].ranks)
+
+
+def test_a_pool_rank_that_ignores_the_interrupt_gets_fresh_ranks_and_says_so():
+    def behaviour(rank, message):
+        if message["kind"] == "sigint" and rank == 0:
+            return []  # stuck in C: the interrupt never reaches Python
+        if message["kind"] != "task":
+            return None
+        if task_number(message) == 1:
+            return [(0.2, e) for e in raises(1, ValueError("boom"))] if rank == 1 else []
+        return [(0.1, e) for e in returns(rank, rank)]
+
+    pool, script = start_scripted_pool(behaviour)
+    try:
+        t0 = script.clock.now()
+        with pytest.raises(ValueError, match="boom") as caught:
+            pool.run(train)
+        notes = "\n".join(getattr(caught.value, "__notes__", []))
+        assert f"Rank(s) 0 did not stop within {INTERRUPT_WAIT_S:g} s" in notes
+        assert "the pool was restarted" in notes
+        assert script.clock.now() - t0 >= INTERRUPT_WAIT_S
+        assert len(script.backends) == 2 and pool.restarts == 1
+        assert pool.state is PoolState.IDLE
+        assert pool.run(train) == [0, 1]  # on the fresh ranks
+    finally:
+        pool.close()
+
+
+def test_a_pool_that_lost_a_rank_refuses_the_next_cell_at_once():
+    def behaviour(rank, message):
+        if message["kind"] != "task":
+            return None
+        return [(0.3, Exit(-9))] if rank == 1 else []
+
+    pool, _ = start_scripted_pool(behaviour)
+    try:
+        with pytest.raises(Exception, match="rank 1") as caught:
+            pool.run(train)
+        assert "The pool lost rank 1" in "\n".join(getattr(caught.value, "__notes__", []))
+        assert pool.state is PoolState.BROKEN
+        with pytest.raises(LaunchError, match="the pool cannot run cells"):
+            pool.run(train)
+    finally:
+        pool.close()
+
+
+def test_the_pools_end_of_task_decision():
+    death = RootCause(Cause.DEATH, 1, "was killed by SIGKILL")
+    assert decide_task_end([], []) == TaskEnd(AfterTask.READY)
+    broken = decide_task_end([death], [0])
+    assert broken.after is AfterTask.BROKEN and broken.problem == "rank 1 was killed by SIGKILL"
+    assert broken.note.startswith("The pool lost rank 1: run %dist restart")
+    stuck = decide_task_end([], [0, 1], " (rank 0 at t.py:3)")
+    assert stuck.after is AfterTask.RESTART
+    assert stuck.note.startswith("Rank(s) 0, 1 did not stop within 3 s (rank 0 at t.py:3)")
+    node = RootCause(Cause.NODE, 2, "node 1 sent nothing for 30 s")
+    lost = decide_task_end([node], [], describe_node=lambda rank: f"node {rank // 2} (vm)")
+    assert lost.after is AfterTask.BROKEN and "The pool lost node 1 (vm)" in lost.note

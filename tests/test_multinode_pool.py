@@ -17,7 +17,8 @@ from conftest import Kernel
 from test_multinode import TwoNodes
 
 from nblaunch.errors import RankFailedError
-from nblaunch.notebook.pool import PoolState, current_pool, rank_namespace
+from nblaunch.notebook.pool import PoolState, current_pool
+from nblaunch.ranks.namespace import rank_namespace
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -39,10 +40,10 @@ def _remember() -> float:
     import torch
     import torch.distributed as dist
 
-    import nblaunch.notebook.pool
+    import nblaunch.ranks.namespace
 
     rank = dist.get_rank()
-    nblaunch.notebook.pool.rank_namespace()["x"] = rank + 1
+    nblaunch.ranks.namespace.rank_namespace()["x"] = rank + 1
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     return total.item()

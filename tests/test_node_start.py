@@ -165,9 +165,9 @@ def test_bad_start_nodes_arguments_are_refused(nodes, stand_ins, tmp_path, monke
 
 
 def _remember() -> int:
-    import nblaunch.notebook.pool
+    import nblaunch.ranks.namespace
 
-    namespace = nblaunch.notebook.pool.rank_namespace()
+    namespace = nblaunch.ranks.namespace.rank_namespace()
     namespace["calls"] = namespace.get("calls", 0) + 1
     return namespace["calls"]
 

@@ -18,10 +18,11 @@ from conftest import kernel_pool_pids, rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
-from nblaunch.notebook import pool as pool_module
 from nblaunch.notebook import widgets
-from nblaunch.notebook.pool import Pool, PoolState, parse_ranks, rank_namespace, start_pool
+from nblaunch.notebook.pool import Pool, PoolState, parse_ranks, start_pool
+from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S
 from nblaunch.notebook.widgets import RecordingView
+from nblaunch.ranks.namespace import rank_namespace
 
 
 class Recorder(RecordingView):
@@ -179,7 +180,7 @@ def test_output_shows_under_its_own_task(pool, recorded):
     assert lines(second, 0) == ["second line", "second without newline"]
     # What a thread printed between tasks is in the rank's log file, not under a task.
     pool.close()
-    log = (pool._run.plan.run_dir / "rank0.log").read_text()
+    log = (pool.engine.plan.run_dir / "rank0.log").read_text()
     assert "first from a thread after the task" in log
 
 
@@ -256,7 +257,7 @@ def test_a_rank_that_cannot_be_interrupted_gets_the_pool_restarted(pool):
     elapsed = time.monotonic() - began
     notes = "\n".join(info.value.__notes__)
     assert "Rank(s) 1 did not stop" in notes and "the pool was restarted" in notes
-    assert elapsed < 1.0 + pool_module.INTERRUPT_WAIT_S + 10.0
+    assert elapsed < 1.0 + INTERRUPT_WAIT_S + 10.0
     assert pool.state is PoolState.IDLE and pool.restarts == 1
     assert set(pool.pids).isdisjoint(old_pids)
     assert not any(_alive(pid) for pid in old_pids)

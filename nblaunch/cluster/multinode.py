@@ -516,7 +516,8 @@ class Head:
         self.done: set[int] = set()  # nodes that reported their ranks stopped
         self.errors: list[tuple[int, str]] = []  # (node, message) of nodes that broke down
         self._control: str | None = None
-        # Only holders of the run's secret may write what this kernel reads (nblaunch.cluster.trust).
+        # Only holders of the run's secret may write what this kernel reads
+        # (nblaunch.cluster.trust).
         # A pool keeps its secret across restarts: the nodes' join commands stay valid.
         self.secret = secret or RunSecret.new()
         self.secret.write_file(plan.run_id)  # for nodes sharing this home directory

@@ -1,4 +1,6 @@
-"""In-order log records, lined up in the notebook (the ranks' side is :mod:`nblaunch.ranks.logging`).
+"""In-order log records, lined up in the notebook.
+
+The ranks' side is :mod:`nblaunch.ranks.logging`.
 
 Ordering happens here, not with barriers in the ranks, so ranks that log different numbers of
 records or at different levels never wait for each other. A group of records is held until every

@@ -2,9 +2,9 @@
 
 A launch goes through four steps:
 
-1. **Validate and plan** (:func:`nblaunch.engine.plan.plan_launch`): check every argument, pick devices,
-   backend and port, and serialise the function with its arguments. Anything wrong is a
-   ``LaunchError`` before a process starts.
+1. **Validate and plan** (:func:`nblaunch.engine.plan.plan_launch`): check every argument,
+   pick devices, backend and port, and serialise the function with its arguments. Anything
+   wrong is a ``LaunchError`` before a process starts.
 2. **Start** the ranks and send each its setup and task (:class:`nblaunch.engine.run.Run`).
 3. **Watch**: relay output and events to the view, collect results, and spot the root cause when
    something fails: the first *primary* failure, never a rank that only saw its peer die.

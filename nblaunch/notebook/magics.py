@@ -3,8 +3,9 @@
 ``%load_ext nblaunch`` calls :func:`register`; ``%unload_ext`` / ``%reload_ext`` call
 :func:`unregister` first. Loading is cheap: torch is imported when a cell runs, not before.
 
-``%%distributed`` turns its cell into a :class:`~nblaunch.ranks.cell.CellTask` (see :mod:`nblaunch.notebook.cell`)
-and runs it with :func:`~nblaunch.notebook.launcher.notebook_launcher`, or, when
+``%%distributed`` turns its cell into a :class:`~nblaunch.ranks.cell.CellTask` (see
+:mod:`nblaunch.notebook.cell`) and runs it with
+:func:`~nblaunch.notebook.launcher.notebook_launcher`, or, when
 ``nblaunch.notebook.pool.current_pool()`` returns a pool, on that pool with
 ``pool.run_cell(task, ranks=SPEC_OR_NONE, timeout=..., hang_timeout=...)``, which returns one
 value per rank of the pool (``None`` where the cell did not run) and sets ``task.main_rank``.
@@ -484,8 +485,8 @@ register_dist_command(
     _dist_env,
     "[HOSTFILE]  torch, devices, backends and start methods; what to fix first",
 )
-# The persistent pool's commands (nblaunch.notebook.pool_commands), imported when first used: the pool
-# itself is imported by `import nblaunch`, before this module, and inside every rank.
+# The persistent pool's commands (nblaunch.notebook.pool_commands), imported when first used:
+# the pool itself is imported by `import nblaunch`, before this module.
 register_dist_command(
     "start",
     "nblaunch.notebook.pool_commands:dist_start",

@@ -26,81 +26,24 @@ it lives as long as the rank process. The end of a task is :mod:`nblaunch.notebo
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import enum
 import os
-import time
-import warnings
 from typing import Any
 
 from nblaunch import pickling
-from nblaunch.engine.plan import plan_launch, serialize_payload
-from nblaunch.engine.run import Run
-from nblaunch.engine.supervisor import reap_let_go
-from nblaunch.engine.verdict import Cause, RootCause, add_note, recreate_exception
-from nblaunch.errors import LaunchError, describe_exit
-from nblaunch.events import NullView, RunState, diagnosis
-from nblaunch.notebook.pool_task import (
-    AfterTask,
-    TaskGuard,
-    decide_task_end,
-    lost_ranks,
-    pending_ranks,
-    settle_task,
+from nblaunch.engine.backend import BackendFactory, ProcessBackend
+from nblaunch.engine.clock import REAL_CLOCK, Clock
+from nblaunch.engine.plan import serialize_payload
+from nblaunch.errors import LaunchError
+from nblaunch.notebook import pool_status
+from nblaunch.notebook.pool_ranks import (  # noqa: F401  (importable from here too)
+    START_TIMEOUT_S,
+    PoolRanks,
+    current_pool,
+    refuse_if_running,
 )
-from nblaunch.options import (
-    DEFAULT_HANG_TIMEOUT_S,
-    DISPLAY_MODES,
-    LaunchOptions,
-    NodeOptions,
-)
+from nblaunch.notebook.pool_status import PoolState  # noqa: F401
+from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions
 from nblaunch.ranks import namespace
-
-# How long starting the ranks (imports, device, process group) may take.
-START_TIMEOUT_S = 120.0
-
-_current: Pool | None = None
-_atexit_registered = False
-
-
-class PoolState(str, enum.Enum):
-    """Lifecycle of a pool, as ``%dist status`` shows it."""
-
-    STARTING = "starting"
-    IDLE = "idle"
-    BUSY = "busy"
-    BROKEN = "broken"  # a rank died: only restart or stop help
-    CLOSED = "closed"
-
-
-def current_pool() -> Pool | None:
-    """The running pool of this kernel (also a broken one, so cells can say so), else ``None``."""
-    if _current is not None and _current.state is not PoolState.CLOSED:
-        return _current
-    return None
-
-
-def refuse_if_running(what: str) -> None:
-    """Raise ``LaunchError`` when a pool holds the ranks and devices.
-
-    Parameters
-    ----------
-    what
-        What was about to start (``"notebook_launcher"``), for the message.
-
-    Raises
-    ------
-    LaunchError
-        Naming the running pool and the two ways out.
-    """
-    pool = current_pool()
-    if pool is not None:
-        raise LaunchError(
-            f"{what} cannot start while a pool holds the devices: {pool.describe()}. "
-            "Run the work on the pool (pool.run(function, ...) or a %%distributed cell), "
-            "or stop the pool first (pool.close() or %dist stop)."
-        )
 
 
 def start_pool(num_processes: int | None = None, **options: Any) -> Pool:
@@ -126,11 +69,7 @@ def start_pool(num_processes: int | None = None, **options: Any) -> Pool:
     return Pool(num_processes, **options).start()
 
 
-def _pool_task() -> None:
-    """Stands in for the function during planning: a pool's tasks come later."""
-
-
-class Pool:
+class Pool(PoolRanks):
     """Ranks that stay alive between tasks, with their namespaces and process group.
 
     Create it with :func:`start_pool` (or ``Pool(...).start()``, or ``with Pool(...) as pool``).
@@ -141,6 +80,9 @@ class Pool:
     this one first; each other node runs ``python -m nblaunch join`` once (the command is
     printed), and stays in the pool across its restarts until the pool is closed; or the
     pool starts them itself with ``start_nodes`` (``"ssh"`` with ``hostfile``, ``"srun"``).
+
+    ``backend`` and ``clock`` are the engine's (:class:`~nblaunch.engine.run.Run`): real
+    processes and time unless a test scripts them.
     """
 
     def __init__(
@@ -163,9 +105,10 @@ class Pool:
         rdzv_id: str | None = None,
         start_nodes: str | None = None,
         hostfile: str | os.PathLike[str] | None = None,
+        backend: BackendFactory = ProcessBackend,
+        clock: Clock = REAL_CLOCK,
     ) -> None:
-        self.num_processes = num_processes
-        self.options = LaunchOptions(
+        options = LaunchOptions(
             start_method=start_method,
             debug=debug,
             log_level=log_level,
@@ -175,129 +118,14 @@ class Pool:
             device_type=device_type,
             run_dir=run_dir,
         )
-        # A pool on several machines (None: this one only).
-        self.nodes: NodeOptions | None = None
+        nodes = None
         if num_nodes is not None:
-            self.nodes = NodeOptions(
-                num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile
+            from nblaunch.notebook.pool_nodes import PoolNodes  # not at import: ~10 ms
+
+            nodes = PoolNodes(
+                NodeOptions(num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
             )
-        # A multi-node pool's secret, kept so the nodes' joins stay valid across restarts, and
-        # the join commands it started itself (start_nodes), which rejoin every restart.
-        self._secret: Any = None
-        self._starter: Any = None
-        self.display = display
-        self.start_timeout = start_timeout
-        self.state = PoolState.CLOSED
-        self.problem = ""  # why the pool is broken
-        self.started_at = 0.0
-        self.start_s = 0.0  # how long the last start took
-        self.tasks_run = 0
-        self.last_task = ""  # what ran last, and how it ended
-        self.last_failed_rank: int | None = None  # whose failure %dist debug opens
-        self.current_task = ""
-        self.restarts = 0
-        self._run: Run | None = None  # the engine, while the pool runs
-        self._task_id = 0
-        self._pids: list[int | None] = []
-
-    # --- lifecycle -------------------------------------------------------------------------------
-
-    def start(self) -> Pool:
-        """Start the ranks and wait until every one has joined the process group.
-
-        Raises
-        ------
-        LaunchError
-            Bad arguments, or another pool is running.
-        Exception
-            A rank's own exception when it failed to start.
-        """
-        global _current, _atexit_registered
-        other = current_pool()
-        if other is not None and other is not self:
-            raise LaunchError(
-                f"a pool is already running: {other.describe()}. Use it, restart it "
-                "(%dist restart or pool.restart()), or stop it first (%dist stop or pool.close())."
-            )
-        if self.state is not PoolState.CLOSED:
-            raise LaunchError(f"this pool is already {self.state.value}; close() it first")
-        if self.display not in DISPLAY_MODES:
-            raise LaunchError(f"display={self.display!r} is not one of {', '.join(DISPLAY_MODES)}")
-        if self.nodes is None:
-            plan = plan_launch(_pool_task, self.num_processes, self.options)
-        else:
-            plan = self._plan_nodes()
-        self.state = PoolState.STARTING
-        self.problem = ""
-        _current = self
-        if not _atexit_registered:
-            atexit.register(_close_current)
-            _atexit_registered = True
-        began = time.monotonic()
-        self._run = None
-        try:
-            run = self._run = self._new_run(plan)
-            run.start()
-            run.await_started(self.start_timeout)
-        except BaseException:
-            self._shut_down(grace=1.0)
-            self.state = PoolState.CLOSED
-            _current = None
-            raise
-        self.start_s = time.monotonic() - began
-        self._pids = [rank.pid for rank in run.backend.ranks]
-        self.started_at = time.time()
-        self.state = PoolState.IDLE
-        return self
-
-    def close(self) -> None:
-        """Stop every rank (asking nicely first) and release the pool; safe to call twice.
-
-        The other nodes of a multi-node pool stop their ranks and their ``join`` ends.
-        """
-        self._close(rejoin=False)
-
-    def restart(self, num_nodes: int | None = None) -> Pool:
-        """Stop the ranks and start fresh ones with the same options (their state is gone).
-
-        The other nodes of a multi-node pool join the new start by themselves; ``num_nodes``
-        changes how many take part (after a node was lost, the nodes that remain).
-        """
-        if num_nodes is not None:
-            if self.nodes is None:
-                raise LaunchError("num_nodes: this pool runs on this machine only")
-            self.nodes = self.nodes.replace(num_nodes=num_nodes)  # checked before closing
-        self._close(rejoin=True)
-        self.restarts += 1
-        return self.start()
-
-    def _close(self, rejoin: bool) -> None:
-        global _current
-        if self.state is PoolState.CLOSED:
-            return
-        run = self._run
-        if run is not None and self.state is PoolState.IDLE:
-            run.hang_up(limit_s=3.0)
-        self._shut_down(grace=1.0, rejoin=rejoin)
-        if not rejoin:
-            self._end_joins()
-        reap_let_go(wait=True)  # closed means gone: their memory is free again
-        self.state = PoolState.CLOSED
-        if _current is self:
-            _current = None
-
-    def __enter__(self) -> Pool:
-        if self.state is PoolState.CLOSED:
-            self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # a forgotten pool still stops its ranks
-        with contextlib.suppress(Exception):
-            if self.state is not PoolState.CLOSED:
-                self.close()
+        super().__init__(num_processes, options, nodes, display, start_timeout, backend, clock)
 
     # --- running tasks ---------------------------------------------------------------------------
 
@@ -423,112 +251,7 @@ class Pool:
             by_rank[rank] = value
         return by_rank
 
-    def run_payload(
-        self,
-        payload: bytes,
-        *,
-        ranks: list[int] | None = None,
-        description: str = "",
-        display: str | None = None,
-        timeout: float | None = None,
-        hang_timeout: float | None = None,
-    ) -> list[Any]:
-        """Run a serialised ``(function, args, kwargs)`` as one task; return values by rank.
-
-        Parameters
-        ----------
-        payload
-            From :func:`~nblaunch.engine.plan.serialize_payload`.
-        ranks
-            The ranks to run on (default all); values come back in rank order.
-        description
-            What runs, for ``%dist status``.
-        display
-            The view for this task (default: the pool's).
-        timeout
-            Fail the task with ``LaunchTimeoutError`` after this many seconds.
-        hang_timeout
-            For this task, instead of the pool's ``hang_timeout``.
-
-        Raises
-        ------
-        LaunchError
-            The pool is stopped or broken, or ``ranks`` is not valid; nothing ran.
-        KeyboardInterrupt
-            The task was interrupted; the ranks are ready for the next one.
-        """
-        from nblaunch.notebook.widgets import DeferredView, make_view
-
-        self._check_usable()
-        task_ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
-        if not task_ranks or any(not 0 <= r < self.world_size for r in task_ranks):
-            raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{self.world_size - 1}")
-        mode = display or self.display
-        view = DeferredView(make_view(mode)) if mode != "none" else NullView()
-        run = self._run
-        guard = TaskGuard()
-        run.begin_task(
-            view,
-            task_ranks,
-            timeout=timeout,
-            hang_timeout=self.options.hang_timeout if hang_timeout is None else hang_timeout,
-            monitors=[guard],
-        )
-        self._task_id += 1
-        self.state = PoolState.BUSY
-        self.current_task = description or "a task"
-        previous_handler = guard.install()
-        try:
-            interrupted = False
-            try:
-                # The first task's header says what the start set up; later ones stay short.
-                run.announce(warnings=[], notes=None if self.tasks_run == 0 else [])
-                for rank in task_ranks:
-                    run.set_state(rank, RunState.RUNNING)
-                run.send_task(payload, self._task_id, task_ranks)
-                run.watch()
-            except KeyboardInterrupt:
-                interrupted = True
-            note, stopped = self._end_task(run, guard, interrupted)
-        finally:
-            guard.uninstall(previous_handler)
-            self.current_task = ""
-            if self.state is PoolState.BUSY:  # the task did not end cleanly: trust no rank
-                self._break("a task did not end cleanly (see the error above)")
-        self.tasks_run += 1
-        return self._conclude(run, interrupted, note, stopped)
-
     # --- information -----------------------------------------------------------------------------
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks (0 before the first start)."""
-        return self._run.plan.world_size if self._run is not None else 0
-
-    @property
-    def pids(self) -> list[int | None]:
-        """Process ids of the ranks, by rank (of the last start, after ``close`` too)."""
-        return list(self._pids)
-
-    def describe(self) -> str:
-        """One line: how many ranks, on what, which processes, in what state."""
-        if self._run is None:
-            return f"a pool ({self.state.value})"
-        plan = self._run.plan
-        pids = ", ".join(str(p) for p in self.pids)
-        nodes = pids_here = ""
-        if self.nodes is not None:
-            nodes, pids_here = f" on {plan.num_nodes} nodes", " here"
-        text = (
-            f"a pool of {plan.world_size} {plan.device_kind} rank(s){nodes} "
-            f"({plan.start_method}{', debug' if plan.debug else ''}; pids{pids_here} {pids}), "
-            f"{self.state.value}"
-        )
-        if self.state is PoolState.BUSY:
-            text += f" running {self.current_task}"
-        if self.state is PoolState.BROKEN:
-            text += f": {self.problem}"
-        return text
 
     def status(self) -> list[dict[str, Any]]:
         """One row per rank: pid, alive, state, memory (RSS; device memory on GPUs), names.
@@ -536,239 +259,11 @@ class Pool:
         When the pool is idle, this asks the ranks (a task of a few milliseconds) for their
         device memory and the names earlier cells defined.
         """
-        import psutil
-
-        rows: list[dict[str, Any]] = []
-        if self._run is None or self.state is PoolState.CLOSED:
-            return rows
-        rank_info: dict[int, dict[str, Any]] = {}
-        if self.state is PoolState.IDLE:
-            with contextlib.suppress(Exception):
-                values = self.run_payload(
-                    serialize_payload(namespace.rank_info),
-                    description="%dist status",
-                    display="none",
-                )
-                rank_info = dict(enumerate(values))
-                self.tasks_run -= 1  # asking for the status is not the person's work
-        local = {process.rank: process.pid for process in self._run.backend.ranks}
-        for rank in range(self.world_size):
-            info = rank_info.get(rank, {})
-            row: dict[str, Any] = {"rank": rank, "pid": local.get(rank), "alive": False}
-            if rank in local:
-                with contextlib.suppress(psutil.Error, ValueError, TypeError):
-                    process = psutil.Process(row["pid"])
-                    row["alive"] = process.status() != psutil.STATUS_ZOMBIE
-                    row["rss_mb"] = process.memory_info().rss / 2**20
-            else:  # another node's: alive if it answered just now
-                row["alive"] = "pid" in info
-            if self.nodes is not None:
-                row["node"] = node = rank // self._run.plan.nproc_per_node
-                row["host"] = self._run.head.hosts.get(node, "?")
-            if not row["alive"]:
-                row["state"] = "dead"
-            else:
-                row["state"] = "idle" if self.state is PoolState.IDLE else self.state.value
-            row.update(info)
-            rows.append(row)
-        return rows
+        return pool_status.status(self)
 
     def status_text(self) -> str:
         """What ``%dist status`` prints."""
-        if self.state is PoolState.CLOSED:
-            return "nblaunch pool: stopped; %dist start -n N starts one"
-        lines = [f"nblaunch pool: {self.describe()}, up {_seconds(time.time() - self.started_at)}"]
-        lines.append(
-            f"  cells run: {self.tasks_run}; last: {self.last_task or 'none'}; "
-            f"restarts: {self.restarts}; logs in {self._run.plan.run_dir}"
-        )
-        for row in self.status():
-            memory = f"{row['rss_mb']:.0f} MB RSS" if "rss_mb" in row else "memory unknown"
-            if row.get("device_mb") is not None:
-                memory += f", {row['device_mb']:.0f} MB allocated on {row['device']}"
-            names = row.get("names")
-            defined = ""
-            if names is not None:
-                shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-                defined = f"; {len(names)} name(s) defined" + (f": {shown}" if names else "")
-            where = f" on node {row['node']} ({row['host']})" if "node" in row else ""
-            lines.append(
-                f"  rank {row['rank']}{where}: pid {row['pid']}, {row['state']}, {memory}{defined}"
-            )
-        if self.state is PoolState.BROKEN:
-            lines.append("  run %dist restart for fresh ranks, or %dist stop")
-        return "\n".join(lines)
-
-    # --- internals -------------------------------------------------------------------------------
-
-    def _plan_nodes(self) -> Any:
-        """The plan of this node of a multi-node pool (node 0)."""
-        from nblaunch.cluster import multinode  # not at import: ~10 ms
-
-        assert self.nodes is not None
-        plan = multinode.plan_nodes(_pool_task, self.num_processes, self.options, self.nodes, True)
-        # Restarts keep the run id (and the secret): the nodes' join commands stay valid.
-        self.nodes = self.nodes.replace(rdzv_id=plan.rdzv_run_id)
-        return plan
-
-    def _new_run(self, plan: Any) -> Run:
-        """The engine: this machine's ranks, or with the other nodes once they all joined."""
-        if self.nodes is None:
-            return Run(plan, NullView())
-        from nblaunch.cluster import multinode
-
-        head = multinode.Head(plan, NullView(), secret=self._secret)
-        self._secret = head.secret
-        try:
-            if self.nodes.start_nodes and self._starter is None:
-                self._starter = head.start_joins(self.nodes.start_nodes, self.nodes.hostfile)
-            elif self._starter is not None:  # a lost node's join is started again
-                self._starter.renew(self.nodes.num_nodes - 1)
-            with multinode.signal_handlers_kept():
-                head.rendezvous(None, self.nodes.rdzv_timeout, self._starter)
-        except BaseException:
-            head.close()
-            self._end_joins()
-            raise
-        return multinode.MultiNodeRun(plan, NullView(), head)
-
-    def _end_joins(self) -> None:
-        """The join commands this pool started end with it (they are given a while)."""
-        if self._starter is not None:
-            self._starter.close()
-            self._starter = None
-
-    def _check_usable(self) -> None:
-        """Raise ``LaunchError`` unless the pool can take a task now."""
-        if self.state is PoolState.CLOSED:
-            raise LaunchError(
-                "the pool is stopped; start one with %dist start -n N or nblaunch.start_pool(N)"
-            )
-        if self.state in (PoolState.STARTING, PoolState.BUSY):
-            raise LaunchError(f"the pool is busy: {self.describe()}")
-        if self.state is PoolState.IDLE:  # a rank may have died since the last task
-            dead = self._run.backend.reap()
-            if dead:
-                words, _ = describe_exit(dead[0].exitcode)
-                self._break(f"rank {dead[0].rank} (pid {dead[0].pid}) {words} between cells")
-        if self.state is PoolState.BROKEN:
-            raise LaunchError(
-                f"the pool cannot run cells: {self.problem}. Run %dist restart (or "
-                "pool.restart()) for fresh ranks, whose names from earlier cells are gone; "
-                "or %dist stop."
-            )
-
-    def _end_task(
-        self, run: Run, guard: TaskGuard, interrupted: bool
-    ) -> tuple[str, list[RootCause]]:
-        """Bring the task's ranks back and decide what the pool does next
-        (:func:`~nblaunch.notebook.pool_task.decide_task_end`).
-
-        Returns a note for the person (empty when all went to plan) and the ranks' failures
-        that were only the pool's own interrupt.
-        """
-        stopped = settle_task(run, guard, interrupted)
-        lost, pending = lost_ranks(run), pending_ranks(run)
-        end = decide_task_end(lost, pending, guard.where(pending), self._describe_node)
-        if end.after is AfterTask.BROKEN:
-            self._break(end.problem)
-        elif end.after is AfterTask.RESTART:
-            for rank in pending:
-                run.set_state(rank, RunState.STOPPED, "did not stop; the pool was restarted")
-        else:
-            for rank in run.task_ranks:
-                if rank not in run.outcome.results and run.states.get(rank) is RunState.RUNNING:
-                    run.set_state(rank, RunState.STOPPED, "interrupted")
-        ok = (
-            run.outcome.root is None
-            and not interrupted
-            and not end.note
-            and len(run.outcome.results) == len(run.task_ranks)
-        )
-        if end.note:
-            broken = end.after is AfterTask.BROKEN
-            run.publish(
-                diagnosis(
-                    "the pool lost a rank" if broken else "the pool was restarted",
-                    end.note,
-                    "warning",
-                    lost[0].rank if broken else pending[0],
-                )
-            )
-        run.publish(run.run_ended(ok))
-        run.view.close()
-        self.last_task = f"{self.current_task} ({'ok' if ok else 'failed'})"
-        if end.after is AfterTask.RESTART:
-            self._replace_ranks()
-        elif end.after is AfterTask.READY:
-            self.state = PoolState.IDLE
-        return end.note, stopped
-
-    def _describe_node(self, rank: int) -> str:
-        """``node 1 (host)``: the node of ``rank`` in a multi-node pool."""
-        assert self._run is not None
-        node = rank // self._run.plan.nproc_per_node
-        return f"node {node} ({self._run.head.hosts.get(node, '?')})"
-
-    def _conclude(
-        self, run: Any, interrupted: bool, note: str, stopped: list[RootCause]
-    ) -> list[Any]:
-        """Return the task's values, or raise its root cause with the pool's note attached."""
-        outcome = run.outcome
-        complete = len(outcome.results) == len(run.task_ranks)
-        if outcome.root is None and not interrupted and (complete or not note):
-            if note:  # every value arrived, but a rank then did not come back
-                warnings.warn(note, RuntimeWarning, stacklevel=3)
-            return run.conclude()
-        # A rank's own error or death seen during the interrupt comes before the interrupt.
-        root = outcome.root or next(iter(outcome.failures), None)
-        if root is not None:
-            self.last_failed_rank = root.rank if root.cause is Cause.FAILURE else None
-            exc = run.exception_for(root)
-        else:
-            exc = recreate_exception(stopped[0], run.plan.world_size) if stopped else None
-            if not isinstance(exc, KeyboardInterrupt):
-                exc = KeyboardInterrupt()
-            ranks = ", ".join(str(f.rank) for f in stopped) or "none"
-            ready = "" if note else "; the pool is ready for the next cell"
-            add_note(exc, f"interrupted on rank(s) {ranks}{ready}")
-        if note:
-            add_note(exc, note)
-        raise exc
-
-    def _break(self, problem: str) -> None:
-        """A rank died: stop the others (their process group is broken) and remember why."""
-        self.problem = problem
-        self._shut_down(grace=1.0, close_pipes=False)
-        self.state = PoolState.BROKEN
-
-    def _replace_ranks(self) -> None:
-        """Restart ranks that could not be stopped politely (the caller tells the person)."""
-        global _current
-        self._shut_down(grace=1.0)
-        self.state = PoolState.CLOSED
-        self.restarts += 1
-        try:
-            self.start()
-        except Exception as exc:  # the task's error carries the note; the pool says why
-            self.state = PoolState.BROKEN
-            self.problem = f"restarting the ranks failed: {type(exc).__name__}: {exc}"
-            _current = self
-
-    def _shut_down(self, grace: float, close_pipes: bool = True, rejoin: bool = True) -> None:
-        run = self._run
-        if run is None:
-            return
-        with contextlib.suppress(Exception):
-            run.backend.stop(grace=grace)
-        if close_pipes:  # a broken pool keeps its other nodes until it is restarted or closed
-            with contextlib.suppress(Exception):
-                run.release_nodes(rejoin)
-            with contextlib.suppress(Exception):
-                if run.relay is not None:
-                    run.relay.close()
-            with contextlib.suppress(Exception):
-                run.backend.close()
+        return pool_status.status_text(self)
 
 
 def parse_ranks(spec: Any, world_size: int) -> list[int]:
@@ -815,18 +310,3 @@ def _describe_cell(source: str) -> str:
 
 def _describe_function(function: Any) -> str:
     return getattr(function, "__qualname__", None) or type(function).__name__
-
-
-def _seconds(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-def _close_current() -> None:
-    pool = current_pool()
-    if pool is not None:
-        with contextlib.suppress(Exception):
-            pool.close()

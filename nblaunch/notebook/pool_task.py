@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import enum
 import signal
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nblaunch.engine.run import Run
-from nblaunch.engine.verdict import Cause, RootCause
-from nblaunch.events import RunState
+from nblaunch.engine.verdict import Cause, RootCause, add_note, recreate_exception
+from nblaunch.events import EventSink, RunState, diagnosis
 
 # How long the ranks of an interrupted or failed task get to come back before the pool restarts.
 INTERRUPT_WAIT_S = 3.0
@@ -106,6 +107,118 @@ def lost_ranks(run: Run) -> list[RootCause]:
     root = run.outcome.root
     lost_node = [root] if root is not None and root.cause is Cause.NODE else []
     return [*lost_node, *run.outcome.deaths()]
+
+
+@dataclass
+class TaskReport:
+    """How a pool task ended, for the pool (what next) and the caller (values or the error)."""
+
+    run: Run
+    end: TaskEnd
+    interrupted: bool
+    stopped: list[RootCause]  # the failures that were only the pool's own interrupt
+    ok: bool
+
+    @property
+    def raises(self) -> bool:
+        """Whether :meth:`conclude` raises rather than returning the values."""
+        outcome = self.run.outcome
+        complete = len(outcome.results) == len(self.run.task_ranks)
+        return not (
+            outcome.root is None and not self.interrupted and (complete or not self.end.note)
+        )
+
+    @property
+    def failed_rank(self) -> int | None:
+        """The rank whose own exception the task raises (what ``%dist debug`` opens)."""
+        outcome = self.run.outcome
+        root = outcome.root or next(iter(outcome.failures), None)
+        return root.rank if root is not None and root.cause is Cause.FAILURE else None
+
+    def conclude(self) -> list[Any]:
+        """Return the task's values, or raise its root cause with the pool's note attached."""
+        run, note = self.run, self.end.note
+        if not self.raises:
+            if note:  # every value arrived, but a rank then did not come back
+                warnings.warn(note, RuntimeWarning, stacklevel=3)
+            return run.conclude()
+        # A rank's own error or death seen during the interrupt comes before the interrupt.
+        root = run.outcome.root or next(iter(run.outcome.failures), None)
+        if root is not None:
+            exc = run.exception_for(root)
+        else:
+            stopped = self.stopped
+            exc = recreate_exception(stopped[0], run.plan.world_size) if stopped else None
+            if not isinstance(exc, KeyboardInterrupt):
+                exc = KeyboardInterrupt()
+            ranks = ", ".join(str(f.rank) for f in stopped) or "none"
+            ready = "" if note else "; the pool is ready for the next cell"
+            add_note(exc, f"interrupted on rank(s) {ranks}{ready}")
+        if note:
+            add_note(exc, note)
+        raise exc
+
+
+def run_task(
+    run: Run,
+    payload: bytes,
+    task_id: int,
+    task_ranks: list[int],
+    view: EventSink,
+    *,
+    timeout: float | None,
+    hang_timeout: float | None,
+    first: bool,
+    describe_node: Callable[[int], str],
+) -> TaskReport:
+    """Run one task on a pool's engine and bring its ranks back (see the module docstring).
+
+    ``first``: the pool's first task, whose header says what the start set up.
+    """
+    guard = TaskGuard()
+    run.begin_task(view, task_ranks, timeout=timeout, hang_timeout=hang_timeout, monitors=[guard])
+    previous_handler = guard.install()
+    try:
+        interrupted = False
+        try:
+            run.announce(warnings=[], notes=None if first else [])
+            for rank in task_ranks:
+                run.set_state(rank, RunState.RUNNING)
+            run.send_task(payload, task_id, task_ranks)
+            run.watch()
+        except KeyboardInterrupt:
+            interrupted = True
+        stopped = settle_task(run, guard, interrupted)
+    finally:
+        guard.uninstall(previous_handler)
+    lost, pending = lost_ranks(run), pending_ranks(run)
+    end = decide_task_end(lost, pending, guard.where(pending), describe_node)
+    if end.after is AfterTask.RESTART:
+        for rank in pending:
+            run.set_state(rank, RunState.STOPPED, "did not stop; the pool was restarted")
+    elif end.after is AfterTask.READY:
+        for rank in run.task_ranks:
+            if rank not in run.outcome.results and run.states.get(rank) is RunState.RUNNING:
+                run.set_state(rank, RunState.STOPPED, "interrupted")
+    ok = (
+        run.outcome.root is None
+        and not interrupted
+        and not end.note
+        and len(run.outcome.results) == len(run.task_ranks)
+    )
+    if end.note:
+        broken = end.after is AfterTask.BROKEN
+        run.publish(
+            diagnosis(
+                "the pool lost a rank" if broken else "the pool was restarted",
+                end.note,
+                "warning",
+                lost[0].rank if broken else pending[0],
+            )
+        )
+    run.publish(run.run_ended(ok))
+    run.view.close()
+    return TaskReport(run, end, interrupted, stopped, ok)
 
 
 def settle_task(run: Run, guard: TaskGuard, interrupted: bool) -> list[RootCause]:

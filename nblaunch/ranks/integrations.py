@@ -1,4 +1,5 @@
-"""One line of user code to chart a framework's metrics in the notebook (``nblaunch.ranks.metrics``).
+"""One line of user code to chart a framework's metrics in the notebook
+(:mod:`nblaunch.ranks.metrics`).
 
 - Transformers: ``Trainer(..., callbacks=[TrainerMetrics()])``: what the Trainer logs (loss,
   learning rate, grad norm, eval metrics) goes to :func:`nblaunch.log_metrics` at its global step.
