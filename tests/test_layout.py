@@ -1,0 +1,137 @@
+"""The layout's rules, read from the imports themselves (every import, also inside functions).
+
+A file's folder says which process it runs in (docs/design.md, "Packages by process"):
+
+- ``nblaunch/ranks/`` runs inside a rank: it imports only the shared vocabulary and itself;
+- ``nblaunch/engine/`` runs in the notebook's process: shared, ranks and itself, never the
+  front ends, IPython or ipywidgets;
+- ``nblaunch/cluster/`` is the other machines: shared, ranks, engine and itself;
+- ``nblaunch/notebook/`` is the front ends, the only package that imports IPython or ipywidgets;
+- the shared modules (``errors``, ``events``, ``options``, ``tracebacks``, ``pickling``) import
+  only each other.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import nblaunch
+
+PACKAGE = pathlib.Path(nblaunch.__file__).parent
+SHARED = {"errors", "events", "options", "tracebacks", "pickling"}
+# What each part may import of nblaunch ("shared" is the modules above).
+ALLOWED = {
+    "shared": {"shared"},
+    "ranks": {"shared", "ranks"},
+    "engine": {"shared", "ranks", "engine"},
+    "cluster": {"shared", "ranks", "engine", "cluster"},
+    "notebook": {"shared", "ranks", "engine", "cluster", "notebook"},
+}
+FRONT_END_LIBRARIES = {"IPython", "ipywidgets", "ipykernel"}
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 350
+
+
+def part_of(module: str) -> str | None:
+    """``nblaunch.engine.run`` -> ``engine``; the shared modules -> ``shared``; else None."""
+    parts = module.split(".")
+    if parts[0] != "nblaunch" or len(parts) < 2:
+        return None
+    if parts[1] in SHARED:
+        return "shared"
+    return parts[1] if parts[1] in ALLOWED else None
+
+
+def imports_of(name: str, source: str) -> list[tuple[int, str]]:
+    """Every module the module ``name`` imports, absolute, with its line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: not used in nblaunch, but counted if it appears
+                base = name.split(".")[: -node.level]
+                module = ".".join([*base, module] if module else base)
+            # ``from nblaunch import x`` may name a submodule: count ``nblaunch.x``.
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+            found.append((node.lineno, module))
+    return found
+
+
+def broken_rules(name: str, source: str) -> list[str]:
+    """The imports of module ``name`` that break the rules, as ``line: module``."""
+    part = part_of(name)
+    if part is None:  # an entry point: it may import anything
+        return []
+    broken = []
+    for line, imported in imports_of(name, source):
+        target = part_of(imported)
+        crosses = target is not None and target not in ALLOWED[part]
+        front_end = imported.split(".")[0] in FRONT_END_LIBRARIES and part != "notebook"
+        if crosses or front_end:
+            broken.append(f"{line}: {imported}")
+    return broken
+
+
+def modules() -> list[tuple[str, pathlib.Path]]:
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE.parent).with_suffix("")
+        names.append((".".join(relative.parts).removesuffix(".__init__"), path))
+    return names
+
+
+def test_every_module_is_in_a_package_by_process_or_shared_or_an_entry_point():
+    entry_points = {"nblaunch", "nblaunch.__main__", "nblaunch.cli"}
+    loose = [name for name, _ in modules() if part_of(name) is None and name not in entry_points]
+    assert loose == []
+
+
+def test_imports_follow_the_packages_by_process():
+    broken = [
+        f"{name}:{where}"
+        for name, path in modules()
+        for where in broken_rules(name, path.read_text())
+    ]
+    assert broken == []
+
+
+def test_no_module_or_class_is_too_long_to_read():
+    too_long = []
+    for _, path in modules():
+        text = path.read_text()
+        where = path.relative_to(PACKAGE.parent)
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{where}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= MAX_CLASS_LINES:
+                too_long.append(
+                    f"{where}: class {node.name}, {node.end_lineno - node.lineno} lines"
+                )
+    assert too_long == []
+
+
+def test_the_rules_catch_what_they_are_for():
+    # The test above passes on a tree that follows the rules; check it would see a break.
+    rank_module = (
+        "import os\nfrom nblaunch import events\n\ndef f():\n    from nblaunch.engine import run\n"
+    )
+    assert broken_rules("nblaunch.ranks.bad", rank_module) == [
+        "5: nblaunch.engine.run",
+        "5: nblaunch.engine",
+    ]
+    engine_module = (
+        "from nblaunch import launcher\nimport ipywidgets\nfrom nblaunch.notebook import pool\n"
+    )
+    assert broken_rules("nblaunch.engine.bad", engine_module) == [
+        "2: ipywidgets",
+        "3: nblaunch.notebook.pool",
+        "3: nblaunch.notebook",
+    ]
+    assert broken_rules("nblaunch.notebook.ok", engine_module) == []
+    assert broken_rules("nblaunch.cluster.bad", "from nblaunch.notebook.widgets import x\n") == [
+        "1: nblaunch.notebook.widgets.x",
+        "1: nblaunch.notebook.widgets",
+    ]
