@@ -28,13 +28,12 @@ from nblaunch.rank.ops import (
     all_reduce,
     broadcast,
     broadcast_object_list,
-    check_trigger,
     gather,
     gather_object,
     pad_across_processes,
     reduce,
-    set_trigger,
 )
+from nblaunch.rank.trigger import check_trigger, set_trigger
 from nblaunch.rank.worker import (
     device,
     is_main_process,

@@ -59,7 +59,8 @@ _tree_marker: str | None = None  # see containment.TREE_ENV
 # Modules imported in every rank at setup; each registers its task hooks (see add_task_hook).
 RANK_FEATURES = (
     "nblaunch.rank.logging",
-    "nblaunch.rank.ops",
+    "nblaunch.rank.trigger",
+    "nblaunch.rank.debug_patches",
     "nblaunch.rank.memory",
     "nblaunch.rank.heartbeat",
     "nblaunch.rank.debugger",
