@@ -15,14 +15,10 @@ from nblaunch.errors import (
 )
 from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
 from nblaunch.notebook.pool import Pool, start_pool
+from nblaunch.rank.batch_size import find_executable_batch_size
 from nblaunch.rank.debugger import breakpoint
 from nblaunch.rank.logging import get_logger
-from nblaunch.rank.memory import (
-    find_executable_batch_size,
-    free_memory,
-    per_device_batch_size,
-    set_seed,
-)
+from nblaunch.rank.memory import free_memory, per_device_batch_size, set_seed
 from nblaunch.rank.metrics import log_metrics
 from nblaunch.rank.ops import (
     all_reduce,

@@ -61,7 +61,7 @@ RANK_FEATURES = (
     "nblaunch.rank.logging",
     "nblaunch.rank.trigger",
     "nblaunch.rank.debug_patches",
-    "nblaunch.rank.memory",
+    "nblaunch.rank.batch_size",
     "nblaunch.rank.heartbeat",
     "nblaunch.rank.debugger",
 )
