@@ -15,26 +15,21 @@ from nblaunch.errors import (
 )
 from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
 from nblaunch.notebook.pool import Pool, start_pool
+from nblaunch.ranks.batch_size import find_executable_batch_size
 from nblaunch.ranks.debugger import breakpoint
 from nblaunch.ranks.logging import get_logger
-from nblaunch.ranks.memory import (
-    find_executable_batch_size,
-    free_memory,
-    per_device_batch_size,
-    set_seed,
-)
+from nblaunch.ranks.memory import free_memory, per_device_batch_size, set_seed
 from nblaunch.ranks.metrics import log_metrics
 from nblaunch.ranks.ops import (
     all_reduce,
     broadcast,
     broadcast_object_list,
-    check_trigger,
     gather,
     gather_object,
     pad_across_processes,
     reduce,
-    set_trigger,
 )
+from nblaunch.ranks.trigger import check_trigger, set_trigger
 from nblaunch.ranks.worker import (
     device,
     is_main_process,

@@ -1,7 +1,7 @@
 """The ``nblaunch`` command.
 
 ``nblaunch env [--hostfile FILE]`` prints the environment report (see
-:mod:`nblaunch.engine.doctor`);
+:mod:`nblaunch.engine.doctor`) and checks the hostfile's hosts (:mod:`nblaunch.cluster.hosts`);
 ``nblaunch run SCRIPT -n N [-- ARGS...]`` runs a script on N ranks through ``notebook_launcher``,
 with every rank's output prefixed and the failing rank's own error at the end.
 
@@ -52,7 +52,9 @@ def run_env(args: argparse.Namespace) -> int:
     sys.stdout.write(doctor.report())
     if args.hostfile is None:
         return 0
-    result = doctor.check_hosts(args.hostfile, timeout=args.ssh_timeout)
+    from nblaunch.cluster.hosts import check_hosts
+
+    result = check_hosts(args.hostfile, timeout=args.ssh_timeout)
     sys.stdout.write("\n" + result.text())
     return 0 if result.ok else 1
 

@@ -32,7 +32,7 @@ from nblaunch.notebook.pool import Pool, PoolState
 from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
 from nblaunch.notebook.widgets import RecordingView
 from nblaunch.options import LaunchOptions
-from nblaunch.ranks.memory import RESTART_OPTION
+from nblaunch.ranks.batch_size import RESTART_OPTION
 
 
 def train() -> None:

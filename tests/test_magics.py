@@ -287,6 +287,16 @@ def test_dist_lists_what_the_extension_offers(ip, capsys):
     assert "%dist env" in out
 
 
+def test_dist_env_prints_the_report_then_the_hostfile_check(ip, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ssh: the check says so without connecting
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("alpha\n")
+    ip.run_line_magic("dist", f"env {hostfile}")
+    out = capsys.readouterr().out
+    assert out.index("nblaunch environment") < out.index(f"hosts in {hostfile}:")
+    assert "ssh is not on PATH" in out
+
+
 def test_dist_commands_come_from_the_registry(ip, capsys):
     calls = []
     magics.register_dist_command("echo", lambda rest: calls.append(rest) or rest.upper(), "echo")

@@ -22,15 +22,8 @@ from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
 from nblaunch.notebook.widgets import RecordingView
 from nblaunch.options import LaunchOptions
-from nblaunch.ranks import memory
-from nblaunch.ranks.memory import (
-    find_executable_batch_size,
-    free_memory,
-    is_out_of_memory,
-    per_device_batch_size,
-    render_attempts,
-    set_seed,
-)
+from nblaunch.ranks.batch_size import RESTART_OPTION, find_executable_batch_size, render_attempts
+from nblaunch.ranks.memory import free_memory, is_out_of_memory, per_device_batch_size, set_seed
 
 REAL_OOM_BYTES = 10**13  # 10 TB: more than any test machine's RAM and swap
 
@@ -241,8 +234,10 @@ def test_set_seed_reproduces_and_per_device_batch_size_outside_a_launch():
 
 
 def test_public_names():
-    for name in ("find_executable_batch_size", "free_memory", "set_seed", "per_device_batch_size"):
-        assert getattr(nblaunch, name) is getattr(memory, name)
+    assert nblaunch.find_executable_batch_size is find_executable_batch_size
+    assert nblaunch.free_memory is free_memory
+    assert nblaunch.set_seed is set_seed
+    assert nblaunch.per_device_batch_size is per_device_batch_size
     assert nblaunch.NoExecutableBatchSizeError is NoExecutableBatchSizeError
 
 
@@ -434,7 +429,7 @@ def test_monitor_restarts_when_a_peer_sits_in_a_collective():
     root = monitor.check(run)
     assert root.cause is Cause.RESTART
     assert "rank 0 in all_reduce (t.py:3 in f)" in root.message
-    resume = root.options[memory.RESTART_OPTION]["0:train"]
+    resume = root.options[RESTART_OPTION]["0:train"]
     assert resume["batch_size"] == 64
     assert resume["history"] == [{"batch_size": 128, "oom": [1], "restarted": True}]
     assert isinstance(root.exception, DistributedHangError)

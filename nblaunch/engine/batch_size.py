@@ -1,6 +1,6 @@
 """Restarting every rank at a smaller batch size when a peer's out-of-memory left them blocked.
 
-The notebook's side of :func:`nblaunch.ranks.memory.find_executable_batch_size`.
+The notebook's side of :func:`nblaunch.ranks.batch_size.find_executable_batch_size`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ from typing import Any
 from nblaunch.engine.monitor import RunContext
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
-from nblaunch.ranks.memory import RESTART_OPTION, no_size_message, render_attempts, who_ran_out
+from nblaunch.ranks.batch_size import (
+    RESTART_OPTION,
+    no_size_message,
+    render_attempts,
+    who_ran_out,
+)
 
 # Restarts of one launch, at most (a custom reduce function could otherwise shrink very slowly).
 MAX_RESTARTS = 16

@@ -477,7 +477,12 @@ def _dist_env(line: str) -> None:
         raise UsageError(
             "%dist env: the environment report (nblaunch.engine.doctor) is not available"
         ) from None
-    print(doctor.report(line.strip() or None), end="")
+    print(doctor.report(), end="")
+    hostfile = line.strip()
+    if hostfile:
+        from nblaunch.cluster.hosts import check_hosts
+
+        print("\n" + check_hosts(hostfile).text(), end="")
 
 
 register_dist_command(

@@ -108,8 +108,9 @@ def _is_collective_name(name: str) -> bool:
 # Where nblaunch calls the user's task: the frames above it are the process bootstrap (the
 # forkserver's ``<string>`` frame) and nblaunch's loop, never the user's code.
 _TASK_ENTRY = worker._run_task.__code__
-# Debug mode's check before a collective (nblaunch.ranks.ops.verify): its frame names the operation.
-_VERIFY = ("verify", os.path.join(_NBLAUNCH_DIR, "ops.py"))
+# Debug mode's check before a collective (nblaunch.ranks.debug_mode.verify): its frame names the
+# operation.
+_VERIFY = ("verify", os.path.join(_NBLAUNCH_DIR, "ranks", "debug_mode.py"))
 
 
 @dataclass

@@ -112,8 +112,8 @@ def collective_label(
 
     DDP's reducer issues its gradient all-reduce from C++ during ``backward()``; its forward
     syncs buffers and rebuilds buckets; FSDP's collectives come from its own modules. In debug
-    mode the waiting collective may be the check (``nblaunch.ranks.ops.verify``) run before the
-    operation ``checked``.
+    mode the waiting collective may be the check (``nblaunch.ranks.debug_mode.verify``) run
+    before the operation ``checked``.
     """
     normalised = [file.replace("\\", "/") for file in files]
     if checked is None:

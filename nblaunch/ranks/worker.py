@@ -59,8 +59,9 @@ _tree_marker: str | None = None  # see containment.TREE_ENV
 # Modules imported in every rank at setup; each registers its task hooks (see add_task_hook).
 RANK_FEATURES = (
     "nblaunch.ranks.logging",
-    "nblaunch.ranks.ops",
-    "nblaunch.ranks.memory",
+    "nblaunch.ranks.trigger",
+    "nblaunch.ranks.debug_patches",
+    "nblaunch.ranks.batch_size",
     "nblaunch.ranks.heartbeat",
     "nblaunch.ranks.debugger",
 )

@@ -1,0 +1,278 @@
+"""Debug mode: every rank checks a collective call against the others' before it runs.
+
+**Debug mode** (``notebook_launcher(debug=True)``, ``%%distributed --debug``, ``NBLAUNCH_DEBUG=1``
+or Accelerate's ``ACCELERATE_DEBUG_MODE=1``) verifies every collective before it runs: each rank
+contributes one small record (operation, call site, shapes, dtypes, device types, arguments such
+as ``src``) to a single fixed-size ``all_gather``, and when the records disagree every rank raises
+the same :class:`~nblaunch.errors.DistributedOperationException`, instead of hanging or silently
+corrupting tensors.
+
+This module owns that check (:func:`verify`) and the helpers every collective of nblaunch shares
+(torch's own functions, never debug mode's wrappers). The report's wording is in
+:mod:`nblaunch.ranks.debug_report`; torch.distributed and DDP, patched inside ranks while debug
+mode is on, in :mod:`nblaunch.ranks.debug_patches`. Heartbeats recognise a rank waiting in the
+check by :func:`verify`'s frame (``nblaunch.ranks.heartbeat``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from nblaunch.errors import DistributedOperationException
+from nblaunch.options import debug_from_env
+from nblaunch.ranks import worker
+from nblaunch.ranks.debug_report import digest, mismatch_message
+
+# Bytes each rank contributes to the verification all_gather; a record is ~200 bytes, and one
+# that does not fit lists fewer tensors (the comparison still uses digests of all of them).
+RECORD_BYTES = 2048
+# Tensors listed per rank in a record (the rest are summarised).
+MAX_LISTED = 16
+
+_CELL_FILE = re.compile(r"(ipykernel_\d+[/\\]\d+\.py$)|(^<ipython-input-\d+-)")
+# nblaunch's own frames, in any of its packages.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+
+# Set while a verified call runs: collectives that torch calls internally (all_gather_object
+# calls all_gather) and the verification's own all_gather must not be verified again.
+_guard = threading.local()
+
+
+def debug_enabled() -> bool:
+    """True when collectives are verified: the launch's ``debug`` or ``NBLAUNCH_DEBUG``."""
+    context = worker.current()
+    if context is not None:
+        return context.debug
+    return debug_from_env()
+
+
+def in_group(group: Any = None) -> bool:
+    """True when a process group is up and this rank is part of ``group``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return dist.get_rank(group) >= 0
+
+
+def unpatched(name: str) -> Callable[..., Any]:
+    """torch.distributed's own function, never the debug-mode wrapper."""
+    import torch.distributed as dist
+
+    function = getattr(dist, name)
+    return getattr(function, "__nblaunch_original__", function)
+
+
+def all_gather_flat() -> Callable[..., Any]:
+    """All-gather into one tensor: ``all_gather_single`` where torch has it (the older name
+    ``all_gather_into_tensor`` is deprecated there)."""
+    import torch.distributed as dist
+
+    return unpatched(
+        "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    )
+
+
+@contextlib.contextmanager
+def verified_region() -> Iterator[None]:
+    """Inside this block, collectives are not verified (they are part of a verified call)."""
+    previous = getattr(_guard, "active", False)
+    _guard.active = True
+    try:
+        yield
+    finally:
+        _guard.active = previous
+
+
+def in_verified_region() -> bool:
+    """True inside :func:`verified_region` on this thread."""
+    return getattr(_guard, "active", False)
+
+
+def call_site() -> str:
+    """Where user code called into the collective: ``train.py:12`` or ``cell line 4``.
+
+    Frames of nblaunch, torch and the standard library are skipped, so a collective that a library
+    calls is reported at the library's line.
+    """
+    import torch
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_PACKAGE_DIR, torch_dir, _STDLIB_DIR)):
+            if _CELL_FILE.search(filename):
+                return f"cell line {frame.f_lineno}"
+            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "unknown location"
+
+
+def verify(
+    operation: str,
+    *,
+    inputs: Sequence[Any] = (),
+    rule: str = "same",
+    dim: int = 0,
+    args: dict[str, Any] | None = None,
+    problem: str | None = None,
+    outputs: list[Any] | None = None,
+    group: Any = None,
+) -> None:
+    """Check that every rank of ``group`` makes the same collective call; raise if not.
+
+    One fixed-size ``all_gather`` of a small record per rank. Every rank receives every record
+    and reaches the same verdict, so either all ranks go on or all raise.
+
+    Parameters
+    ----------
+    operation
+        Shown in the report, e.g. ``"nblaunch.ranks.ops.broadcast"``.
+    inputs
+        The tensors this rank passes.
+    rule
+        How input shapes must relate across ranks: ``"same"``; ``"same_except_dim"`` (all but
+        ``dim``); ``"all_gather"`` (rank r's ``outputs[j]`` has rank j's input shape);
+        ``"all_gather_even"`` (that, and the same input shapes everywhere);
+        ``"dtype"`` (only dtypes and devices must agree); ``"none"`` (nothing to compare).
+    args
+        Arguments that must be equal on every rank (``src``, reduce ``op``, list length).
+    problem
+        Something wrong that this rank found on its own (a wrong output size).
+    outputs
+        Output tensors, for ``rule="all_gather"``.
+    group
+        The process group of the call.
+
+    Raises
+    ------
+    DistributedOperationException
+        On every rank, when the records disagree.
+    """
+    import torch.distributed as dist
+
+    if not in_group(group) or dist.get_world_size(group) < 2:
+        return
+    record = _record(operation, list(inputs), rule, dim, args or {}, problem, outputs)
+    with verified_region():
+        records = _exchange(record, group)
+    message = mismatch_message(records)
+    if message:
+        raise DistributedOperationException(message)
+
+
+def _record(
+    operation: str,
+    inputs: list[Any],
+    rule: str,
+    dim: int,
+    args: dict[str, Any],
+    problem: str | None,
+    outputs: list[Any] | None,
+) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    inputs = [t for t in inputs if isinstance(t, torch.Tensor)]
+    shapes = [list(t.shape) for t in inputs]
+    dtypes = [str(t.dtype) for t in inputs]
+    devices = [t.device.type for t in inputs]
+    if rule == "same_except_dim":
+        compared = [
+            [("*" if i == dim % max(len(s), 1) else n) for i, n in enumerate(s)] for s in shapes
+        ]
+    elif rule in ("same", "all_gather", "all_gather_even"):
+        compared = shapes
+    else:
+        compared = []
+    return {
+        "op": operation,
+        "rank": dist.get_rank(),
+        "site": call_site(),
+        "rule": rule,
+        "n": len(inputs),
+        "shapes": shapes[:MAX_LISTED],
+        "dtypes": dtypes[:MAX_LISTED],
+        "devices": devices[:MAX_LISTED],
+        "key": {
+            "shape": digest(compared),
+            "dtype": digest(dtypes),
+            "device": digest(devices),
+        },
+        "out": digest([list(getattr(t, "shape", ())) for t in outputs])
+        if outputs is not None
+        else None,
+        "args": {k: _plain(v) for k, v in args.items()},
+        "problem": problem,
+    }
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe rendering of an argument (a ReduceOp prints as ``SUM``)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) else str(value).split(".")[-1]
+
+
+def _exchange(record: dict[str, Any], group: Any) -> list[dict[str, Any]]:
+    """All-gather one fixed-size JSON record per rank; return the records in group order."""
+    import torch
+    import torch.distributed as dist
+
+    data = json.dumps(record).encode()
+    if len(data) > RECORD_BYTES - 4:
+        record = dict(record, shapes=record["shapes"][:2], dtypes=record["dtypes"][:2])
+        record["devices"] = record["devices"][:2]
+        record["args"] = {k: str(v)[:40] for k, v in record["args"].items()}
+        record["problem"] = (record["problem"] or "")[:200] or None
+        record["site"] = record["site"][-120:]
+        data = json.dumps(record).encode()[: RECORD_BYTES - 4]
+    buffer = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+    buffer[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+    buffer[4 : 4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    device = collective_device(group)
+    world = dist.get_world_size(group)
+    gathered = torch.empty(world * RECORD_BYTES, dtype=torch.uint8, device=device)
+    all_gather_flat()(gathered, buffer.to(device), group=group)
+    raw = _to_bytes(gathered)
+    records = []
+    for i in range(world):
+        chunk = raw[i * RECORD_BYTES : (i + 1) * RECORD_BYTES]
+        size = int.from_bytes(chunk[:4], "little")
+        try:
+            records.append(json.loads(chunk[4 : 4 + size]))
+        except ValueError:  # a record cut to size: compare what is known
+            records.append({"op": "?", "rank": i, "site": "?", "key": {}, "args": {}})
+    return records
+
+
+def _to_bytes(tensor: Any) -> bytes:
+    tensor = tensor.cpu()
+    try:
+        return tensor.numpy().tobytes()
+    except RuntimeError:  # torch built without numpy
+        return bytes(tensor.tolist())
+
+
+def collective_device(group: Any = None) -> Any:
+    """A device every backend of ``group`` can use: CPU for gloo, the rank's GPU for nccl."""
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    context = worker.current()
+    if context is not None and context.device.type == "cuda":
+        return context.device
+    return torch.device("cuda", torch.cuda.current_device())

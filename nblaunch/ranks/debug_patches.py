@@ -1,0 +1,284 @@
+"""torch.distributed and DDP's gradient all-reduce, verified inside ranks while debug mode is on.
+
+nblaunch's own collectives (:mod:`nblaunch.ranks.ops`) verify themselves. So that collectives
+called by user code and libraries are verified too, torch.distributed's own collectives
+(``dist.all_reduce``, ``dist.broadcast``, ...) are patched for the duration of each task while
+debug mode is on, and every DDP model made in the task gets a comm hook that verifies its
+gradient all-reduce; the patches are removed when the task ends (a task hook does both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from nblaunch.ranks import worker
+from nblaunch.ranks.debug_mode import in_group, in_verified_region, verified_region, verify
+from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, format_shape
+
+# torch.distributed collectives verified inside ranks while debug mode is on.
+PATCHED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "barrier",
+)
+
+
+# --- torch.distributed ---------------------------------------------------------------------------
+
+
+def _spec(name: str, a: dict[str, Any], world: int, backend: str) -> dict[str, Any]:
+    """What to verify for torch.distributed's ``name`` called with bound arguments ``a``."""
+    if name == "all_reduce":
+        return {"inputs": [a["tensor"]], "args": {"op": a.get("op")}}
+    if name == "broadcast":
+        return {"inputs": [a["tensor"]], "args": {"src": _first(a, "src", "group_src")}}
+    if name == "reduce":
+        return {
+            "inputs": [a["tensor"]],
+            "args": {"dst": _first(a, "dst", "group_dst"), "op": a.get("op")},
+        }
+    if name == "all_gather":
+        outputs = list(a["tensor_list"])
+        problem = None
+        if len(outputs) != world:
+            problem = f"tensor_list has {len(outputs)} tensors for {world} processes"
+        return {
+            "inputs": [a["tensor"]],
+            # NCCL gathers tensors of different sizes into matching outputs; gloo refuses them
+            "rule": "all_gather" if "nccl" in backend else "all_gather_even",
+            "outputs": outputs,
+            "problem": problem,
+        }
+    if name in ("all_gather_into_tensor", "all_gather_single"):
+        out, inp = a["output_tensor"], a["input_tensor"]
+        problem = None
+        if out.numel() != world * inp.numel():
+            problem = (
+                f"output_tensor has shape {format_shape(list(out.shape))} but must hold "
+                f"{world} x input {format_shape(list(inp.shape))}"
+            )
+        return {"inputs": [inp], "problem": problem}
+    if name == "reduce_scatter":
+        inputs = list(a["input_list"])
+        problem = None
+        if len(inputs) != world:
+            problem = f"input_list has {len(inputs)} tensors for {world} processes"
+        return {"inputs": [a["output"], *inputs], "args": {"op": a.get("op")}, "problem": problem}
+    if name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        out, inp = a["output"], a["input"]
+        problem = None
+        if inp.numel() != world * out.numel():
+            problem = (
+                f"input has shape {format_shape(list(inp.shape))} but must hold "
+                f"{world} x output {format_shape(list(out.shape))}"
+            )
+        return {"inputs": [inp], "args": {"op": a.get("op")}, "problem": problem}
+    if name == "gather":
+        return {"inputs": [a["tensor"]], "args": {"dst": _first(a, "dst", "group_dst")}}
+    if name == "scatter":
+        return {"inputs": [a["tensor"]], "args": {"src": _first(a, "src", "group_src")}}
+    if name == "all_to_all_single":
+        return {"inputs": [a["input"]], "rule": "same_except_dim", "dim": 0}
+    if name == "all_to_all":
+        return {"inputs": list(a["input_tensor_list"]), "rule": "dtype"}
+    if name == "all_gather_object":
+        problem = None
+        if len(a["object_list"]) != world:
+            problem = f"object_list has {len(a['object_list'])} slots for {world} processes"
+        return {"rule": "none", "problem": problem}
+    if name == "broadcast_object_list":
+        return {
+            "rule": "none",
+            "args": {
+                "src": _first(a, "src", "group_src"),
+                "len(object_list)": len(a["object_list"]),
+            },
+        }
+    if name == "gather_object":
+        return {"rule": "none", "args": {"dst": _first(a, "dst", "group_dst")}}
+    if name == "scatter_object_list":
+        return {"rule": "none", "args": {"src": _first(a, "src", "group_src")}}
+    return {"rule": "none"}  # barrier
+
+
+def _first(arguments: dict[str, Any], *names: str) -> Any:
+    for name in names:
+        if arguments.get(name) is not None:
+            return arguments[name]
+    return None
+
+
+def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def verified(*args: Any, **kwargs: Any) -> Any:
+        if in_verified_region():
+            return original(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            group = bound.arguments.get("group")
+            ready = in_group(group)
+        except (TypeError, ValueError, RuntimeError):
+            ready = False  # let torch report a bad call in its own words
+        if not ready:
+            return original(*args, **kwargs)
+        import torch.distributed as dist
+
+        try:
+            backend = str(dist.get_backend(group)).lower()
+            spec = _spec(name, bound.arguments, dist.get_world_size(group), backend)
+        except (AttributeError, KeyError, TypeError):
+            return original(*args, **kwargs)  # not tensors where torch wants them: torch says so
+        verify(f"torch.distributed.{name}", group=group, **spec)
+        with verified_region():
+            return original(*args, **kwargs)
+
+    verified.__nblaunch_original__ = original  # type: ignore[attr-defined]
+    return verified
+
+
+@contextlib.contextmanager
+def verified_collectives() -> Iterator[None]:
+    """Verify torch.distributed's own collectives inside this block (debug mode does this).
+
+    Replaces ``torch.distributed.all_reduce``, ``broadcast``, ... (see ``PATCHED``) by wrappers
+    that verify each call first, gives every DDP model made inside the block a comm hook that
+    verifies its gradient all-reduce (:class:`_VerifiedGradientHook`), and restores the
+    originals on exit.
+    """
+    global _verifying
+    import torch.distributed as dist
+
+    saved: dict[str, Any] = {}
+    for name in PATCHED:
+        original = getattr(dist, name, None)
+        if original is None or hasattr(original, "__nblaunch_original__"):
+            continue
+        saved[name] = original
+        setattr(dist, name, _wrap(name, original))
+    restore_ddp = _verify_ddp_models()
+    previous, _verifying = _verifying, True
+    try:
+        yield
+    finally:
+        _verifying = previous
+        restore_ddp()
+        for name, original in saved.items():
+            setattr(dist, name, original)
+
+
+# --- DDP's gradient all-reduce, verified in debug mode -------------------------------------------
+# DDP all-reduces gradients from C++ inside backward(), where no Python collective can be
+# patched. Its one Python entry point is the communication hook: debug mode registers one that
+# verifies each bucket like any other collective, then all-reduces it as DDP's default does
+# (divide by the world size, sum), so the gradients are the same bits as without the hook.
+
+_verifying = False  # inside verified_collectives(): hooks made earlier stop verifying outside
+
+
+class _VerifiedGradientHook:
+    """A DDP model's comm hook state: verify the bucket, then run the hook the user chose.
+
+    DDP takes one hook per model, and this one is registered first; a hook the user registers
+    later (``register_comm_hook``, or a built-in such as FP16 compression) is kept here and runs
+    in place of the default all-reduce.
+    """
+
+    def __init__(self, process_group: Any) -> None:
+        self.process_group = process_group
+        self.user_state: Any = None
+        self.user_hook: Callable[[Any, Any], Any] | None = None
+
+    def __call__(self, bucket: Any) -> Any:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if _verifying:
+            verify(DDP_ALL_REDUCE, inputs=[bucket.buffer()], group=self.process_group)
+        with verified_region():  # the hook's own all_reduce is not verified again
+            if self.user_hook is not None:
+                return self.user_hook(self.user_state, bucket)
+            return default_hooks.allreduce_hook(self.process_group, bucket)
+
+
+def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+    # No annotations: DDP refuses a hook whose ``bucket`` is annotated as anything but GradBucket.
+    return state(bucket)
+
+
+def _verify_ddp_models() -> Callable[[], None]:
+    """Patch ``DistributedDataParallel`` so new models get the verifying hook; return the undo."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if hasattr(DDP.__init__, "__nblaunch_original__"):
+        return lambda: None
+    original_init = DDP.__init__
+    original_register = DDP.register_comm_hook
+    original_builtin = DDP._register_builtin_comm_hook
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        self._nblaunch_hook = _VerifiedGradientHook(self.process_group)
+        original_register(self, self._nblaunch_hook, _ddp_comm_hook)
+
+    @functools.wraps(original_register)
+    def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
+        ours = getattr(self, "_nblaunch_hook", None)
+        if ours is None or ours.user_hook is not None:
+            return original_register(self, state, hook)  # torch explains a second hook
+        ours.user_state, ours.user_hook = state, hook
+
+    @functools.wraps(original_builtin)
+    def register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ours = getattr(self, "_nblaunch_hook", None)
+        python_hook = {
+            "ALLREDUCE": default_hooks.allreduce_hook,
+            "FP16_COMPRESS": default_hooks.fp16_compress_hook,
+        }.get(getattr(comm_hook_type, "name", ""))
+        if ours is None or ours.user_hook is not None or python_hook is None:
+            return original_builtin(self, comm_hook_type)
+        ours.user_state, ours.user_hook = self.process_group, python_hook
+
+    __init__.__nblaunch_original__ = original_init  # type: ignore[attr-defined]
+    DDP.__init__ = __init__
+    DDP.register_comm_hook = register_comm_hook
+    DDP._register_builtin_comm_hook = register_builtin_comm_hook
+
+    def restore() -> None:
+        DDP.__init__ = original_init
+        DDP.register_comm_hook = original_register
+        DDP._register_builtin_comm_hook = original_builtin
+
+    return restore
+
+
+def _task_hook(context: worker.RankContext) -> contextlib.AbstractContextManager[Any]:
+    if context.debug:
+        return verified_collectives()
+    return contextlib.nullcontext()
+
+
+worker.add_task_hook(_task_hook)

@@ -1,0 +1,150 @@
+"""Debug mode's report: what every rank reads when the ranks' collective calls disagree.
+
+Each rank's record (built by :func:`nblaunch.ranks.debug_mode.verify`) is a JSON-safe dict:
+``op``, ``rank``, ``site``, ``rule``, ``n`` (how many tensors), ``shapes``/``dtypes``/``devices``
+(the first few), ``key`` (digests of all of them, compared), ``out``, ``args`` and ``problem``.
+:func:`mismatch_message` turns every rank's record into the same message on every rank. It
+imports nothing of the project: records in, text out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+# The operation named in the report when DDP's backward all-reduce is the call that disagrees.
+DDP_ALL_REDUCE = "DDP's backward all-reduce"
+
+
+def digest(value: Any) -> str:
+    """A short digest of a JSON-safe value: records compare these, not the full lists."""
+    return hashlib.sha1(json.dumps(value).encode()).hexdigest()[:16]
+
+
+def mismatch_message(records: list[dict[str, Any]]) -> str | None:
+    """The report for records that disagree, or ``None`` when the call is consistent."""
+    first = records[0]
+    if len({r["op"] for r in records}) > 1:
+        said = (" while " if len(records) == 2 else ", ").join(
+            f"rank {r['rank']} {_entered(r['op'])} at {r['site']}" for r in records
+        )
+        return (
+            "Cannot apply desired operation: processes called different collectives at the same "
+            f"step ({said}).\n\nOperations:\n"
+            + "".join(
+                f"  - Process {r['rank']}: `{r['op']}` at {r['site']}, input shapes "
+                f"{_listing(r, 'shapes')}\n"
+                for r in records
+            )
+            + "\nEvery rank must call the same collectives in the same order; look for a branch "
+            "on the rank or a loop that runs a different number of times on some ranks."
+        )
+    operation = first["op"]
+    for name in sorted({k for r in records for k in r["args"]}):
+        values = [r["args"].get(name) for r in records]
+        if any(v != values[0] for v in values):
+            return _table(
+                f"Cannot apply desired operation due to argument mismatches. Every process must "
+                f"pass the same {name}.",
+                operation,
+                "Arguments",
+                records,
+                lambda r, name=name: f"{name}={r['args'].get(name)}",
+            )
+    if any(r.get("problem") for r in records):
+        return _table(
+            "Cannot apply desired operation due to invalid arguments.",
+            operation,
+            "Problems",
+            records,
+            lambda r: r.get("problem") or "ok",
+        )
+    rule = first.get("rule", "same")
+    if rule in ("all_gather", "all_gather_even"):
+        inputs = [r["shapes"][0] if r["shapes"] else [] for r in records]
+        if any(r["out"] != digest(inputs) for r in records):
+            return _shape_table(operation, records)
+        if rule == "all_gather_even" and _differs(records, "shape"):
+            return _shape_table(operation, records)
+    elif rule != "none" and _differs(records, "shape"):
+        return _shape_table(operation, records)
+    if _differs(records, "dtype"):
+        return _table(
+            "Cannot apply desired operation due to dtype mismatches. All dtypes across devices "
+            "must be the same.",
+            operation,
+            "Input dtypes",
+            records,
+            lambda r: _listing(r, "dtypes"),
+        )
+    if _differs(records, "device"):
+        return _table(
+            "Cannot apply desired operation due to device mismatches. All tensors must be on "
+            "the same type of device on every process.",
+            operation,
+            "Input devices",
+            records,
+            lambda r: _listing(r, "devices"),
+        )
+    return None
+
+
+def _differs(records: list[dict[str, Any]], field: str) -> bool:
+    values = [(r.get("n"), r["key"].get(field)) for r in records]
+    return any(v != values[0] for v in values)
+
+
+def _shape_table(operation: str, records: list[dict[str, Any]]) -> str:
+    return _table(
+        "Cannot apply desired operation due to shape mismatches. All shapes across devices "
+        "must be valid.",
+        operation,
+        "Input shapes",
+        records,
+        lambda r: _listing(r, "shapes"),
+    )
+
+
+def _table(
+    headline: str,
+    operation: str,
+    what: str,
+    records: list[dict[str, Any]],
+    cell: Callable[[dict[str, Any]], str],
+) -> str:
+    lines = [headline, "", f"Operation: `{operation}`", f"{what}:"]
+    lines += [f"  - Process {r['rank']}: {cell(r)}" for r in records]
+    lines += ["", "Called at:"]
+    lines += [f"  - Process {r['rank']}: {r['site']}" for r in records]
+    return "\n".join(lines)
+
+
+def _listing(record: dict[str, Any], field: str) -> str:
+    items = record.get(field) or []
+    n = record.get("n", len(items))
+    if n == 0:
+        return "(no tensors)"
+    text = ", ".join(format_shape(item) for item in items)
+    if n > len(items):
+        text += f", ... ({n} tensors)"
+    return text
+
+
+def format_shape(item: Any) -> str:
+    """``[2, 3]`` for a shape; anything else as ``str`` does."""
+    if isinstance(item, list):
+        return "[" + ", ".join(str(n) for n in item) + "]"
+    return str(item)
+
+
+def _short(operation: str) -> str:
+    return operation.rsplit(".", 1)[-1]
+
+
+def _entered(operation: str) -> str:
+    """``called all_reduce``; a collective a library issues itself is ``entered``."""
+    if operation == DDP_ALL_REDUCE:
+        return f"entered {operation}"
+    return f"called {_short(operation)}"
