@@ -20,6 +20,7 @@ from nblaunch.engine.plan import plan_launch, serialize_payload
 from nblaunch.engine.run import Run
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
+from nblaunch.events import RunState
 from nblaunch.notebook.widgets import RecordingView
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks.batch_size import RESTART_OPTION, find_executable_batch_size, render_attempts
@@ -393,6 +394,10 @@ class _FakeRun:
         self.outcome = types.SimpleNamespace(finished=set(), results={}, failures=[])
         self.task_ranks = [0, 1]
         self.clock = 100.0
+        self.states = dict.fromkeys(self.task_ranks, RunState.RUNNING)
+
+    def set_state(self, rank: int, state: RunState, detail: str = "") -> None:
+        self.states[rank] = state
 
     def now(self) -> float:
         return self.clock
@@ -424,6 +429,7 @@ def test_monitor_restarts_when_a_peer_sits_in_a_collective():
     monitor, run = BatchSizeMonitor(_FakePlan()), _FakeRun()
     monitor.on_event(run, _beat(0, "all_reduce"))  # before the notice: does not count
     monitor.on_event(run, _waiting_event())
+    assert run.states[1] is RunState.RETRYING  # the badge says the search goes on
     assert monitor.check(run) is None
     monitor.on_event(run, _beat(0, "all_reduce"))
     root = monitor.check(run)

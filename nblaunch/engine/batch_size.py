@@ -10,6 +10,7 @@ from typing import Any
 from nblaunch.engine.monitor import RunContext
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
+from nblaunch.events import RunState
 from nblaunch.ranks.batch_size import (
     RESTART_OPTION,
     no_size_message,
@@ -50,6 +51,7 @@ class BatchSizeMonitor:
         rank = event.get("rank")
         if kind == "progress" and event.get("what") == "batch_size":
             data = event.get("data") or {}
+            self._show_retrying(run, rank, data)
             if data.get("status") == "waiting":
                 self._waiting[rank] = {**data, "since": run.now()}
                 self._in_collective.clear()
@@ -66,6 +68,14 @@ class BatchSizeMonitor:
                 self._where[rank] = f"{event['collective']} ({event.get('where', '')})"
             else:
                 self._in_collective[rank] = 0
+
+    @staticmethod
+    def _show_retrying(run: RunContext, rank: int, data: dict[str, Any]) -> None:
+        """Badges: RETRYING while a search tries another size, RUNNING once it is done."""
+        state = RunState.RUNNING if data.get("done") else RunState.RETRYING
+        for each in data.get("ranks", [rank]):  # one rank speaks for all after agreeing
+            if run.states.get(each) in (RunState.RUNNING, RunState.RETRYING):
+                run.set_state(each, state)
 
     def check(self, run: RunContext) -> RootCause | None:
         if not self._waiting or run.outcome.failures:

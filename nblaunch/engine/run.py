@@ -17,7 +17,7 @@ from typing import Any
 
 from nblaunch.engine import verdict
 from nblaunch.engine.backend import BackendFactory, ProcessBackend
-from nblaunch.engine.clock import REAL_CLOCK, Clock
+from nblaunch.engine.clock import REAL_CLOCK, Clock, Pauses
 from nblaunch.engine.features import parent_monitors
 from nblaunch.engine.monitor import Monitor
 from nblaunch.engine.plan import LaunchPlan, choose_port
@@ -30,9 +30,6 @@ from nblaunch.events import STOP, Event, EventSink, NullView, RunState, task_mes
 STOP_GRACE_S = 2.0
 # How long the other ranks get to stop once a root cause (a failure, a death, a hang) is known.
 KNOWN_CAUSE_GRACE_S = 0.5
-# After a pause (a rank left the debugger), how long its peers get to move before the monitors
-# judge again.
-RESUME_GRACE_S = 3.0
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -76,10 +73,7 @@ class Run:
         self.monitors = parent_monitors(plan)
         self.task_ranks: list[int] = list(range(plan.world_size))  # the ranks running a task
         self.announced = False  # the run's header was shown
-        # Who stopped the clocks (see pause), since when; the time they stood still so far.
-        self._paused: dict[object, float] = {}
-        self._paused_s = 0.0
-        self._resumed_at = float("-inf")
+        self.pauses = Pauses(clock)  # the clocks stand still while a rank waits in the debugger
 
     def execute(self, payload: bytes) -> list[Any]:
         """Run the payload on every rank and return the results, or raise the root cause."""
@@ -170,8 +164,7 @@ class Run:
         self.states = {}
         self.started_at = time.time()
         self.monitors = [*monitors, *parent_monitors(self.plan)]
-        self._paused.clear()
-        self._paused_s = 0.0
+        self.pauses.reset()
 
     def hang_up(self, limit_s: float) -> None:
         """Ask every rank to stop after its task and read what they say until each closed its
@@ -236,7 +229,7 @@ class Run:
             self.pump(0.05)
             if self._all_returned():
                 return
-            for monitor in [] if self._monitors_paused() else self.monitors:
+            for monitor in self.monitors if self.pauses.judging() else []:
                 root = monitor.check(self)
                 if root is not None:
                     outcome.root = root
@@ -245,32 +238,18 @@ class Run:
             if root is not None:
                 outcome.root = root
                 return
-            if deadline is not None and self.now() - self._time_paused() > deadline:
-                self._on_timeout()
+            if deadline is not None and self.now() - self.pauses.paused_s() > deadline:
+                outcome.root = verdict.timed_out(outcome, self.plan.world_size, self.plan.timeout)
                 return
 
     # --- for features: pauses, a rank's pipe, the view ------------------------------------------
 
     def pause(self, key: object) -> None:
-        """Stop the clocks while ``key`` (a rank in the debugger) waits for the person: its
-        peers wait for it, which no monitor may take for a hang, and ``timeout=`` does not
-        count the time."""
-        self._paused.setdefault(key, self.now())
+        """Stop the clocks while ``key`` (a rank in the debugger) waits for the person."""
+        self.pauses.pause(key)
 
     def resume(self, key: object) -> None:
-        """Start the clocks again; monitors judge again ``RESUME_GRACE_S`` later."""
-        since = self._paused.pop(key, None)
-        if since is not None:
-            self._paused_s += self.now() - since
-            self._resumed_at = self.now()
-
-    def _monitors_paused(self) -> bool:
-        return bool(self._paused) or self.now() - self._resumed_at < RESUME_GRACE_S
-
-    def _time_paused(self) -> float:
-        """Time the clocks stood still during this task."""
-        now = self.now()
-        return self._paused_s + (now - min(self._paused.values()) if self._paused else 0.0)
+        self.pauses.resume(key)
 
     def now(self) -> float:
         """The run's clock (monotonic seconds)."""
@@ -311,12 +290,6 @@ class Run:
             self.outcome.finished.add(rank)
             if rank in self.outcome.results:
                 self.set_state(rank, RunState.DONE)
-        elif kind == "progress" and event.get("what") == "batch_size":
-            data = event.get("data") or {}
-            state = RunState.RUNNING if data.get("done") else RunState.RETRYING
-            for each in data.get("ranks", [rank]):  # one rank speaks for all after agreeing
-                if self.states.get(each) in (RunState.RUNNING, RunState.RETRYING):
-                    self.set_state(each, state)
 
     def _restart_requested(self) -> bool:
         root = self.outcome.root
@@ -357,16 +330,6 @@ class Run:
         self.outcome.failures.append(death)
         self.set_state(rank, RunState.FAILED, death.message)
 
-    def _on_timeout(self) -> None:
-        running = sorted(r for r in range(self.plan.world_size) if r not in self.outcome.finished)
-        names = ", ".join(str(r) for r in running)
-        self.outcome.root = RootCause(
-            Cause.TIMEOUT,
-            running[0] if running else 0,
-            f"timeout={self.plan.timeout:g} s ran out with rank(s) {names} of "
-            f"{self.plan.world_size} still running; they were stopped",
-        )
-
     # --- stopping --------------------------------------------------------------------------------
 
     def stop_on_interrupt(self) -> None:
@@ -397,7 +360,7 @@ class Run:
                     self.set_state(rank, RunState.DONE)
                 self.hang_up(limit_s=5.0)
             else:
-                reason = self._stop_reason()
+                reason = verdict.stop_reason(self.outcome.root, self.plan.timeout)
                 for rank in range(self.plan.world_size):
                     if rank not in self.outcome.finished and self.states.get(rank) in (
                         RunState.STARTING,
@@ -423,17 +386,6 @@ class Run:
             backend.close()
             self.view.close()
 
-    def _stop_reason(self) -> str:
-        """Why the ranks still running are being stopped, for their badges."""
-        root = self.outcome.root
-        if root is None:
-            return "stopped"
-        if root.cause is Cause.HANG:
-            return "stopped: the ranks could not make progress (see the error)"
-        if root.cause is Cause.TIMEOUT:
-            return f"stopped: timeout={self.plan.timeout:g} s ran out"
-        return f"stopped after rank {root.rank} failed"
-
     def _relay_until_hung_up(self, timeout: float) -> None:
         """Keep reading output while the stopped ranks shut down, until each has closed its
         pipes (its last words) or exited; those still exiting are left to exit on their own."""
@@ -447,19 +399,8 @@ class Run:
         self.backend.let_go([r for r in self.backend.alive() if self.relay.hung_up(r.rank)])
 
     def run_ended(self, ok: bool) -> Event:
-        outcomes: dict[int, str] = {}
-        for rank in self.task_ranks:
-            if rank in self.outcome.results:
-                outcomes[rank] = "returned"
-            else:
-                failure = next((f for f in self.outcome.failures if f.rank == rank), None)
-                outcomes[rank] = "stopped" if failure is None else failure.outcome_words()
-        return {
-            "kind": "run_ended",
-            "ok": ok,
-            "elapsed_s": time.time() - self.started_at,
-            "ranks": outcomes,
-        }
+        """The run's last event: how it went, and each task rank's outcome in a few words."""
+        return verdict.run_ended(self.outcome, self.task_ranks, ok, time.time() - self.started_at)
 
     # --- reporting -------------------------------------------------------------------------------
 

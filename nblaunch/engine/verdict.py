@@ -19,7 +19,7 @@ from typing import Any
 
 from nblaunch import errors, tracebacks
 from nblaunch.errors import LaunchError, LaunchTimeoutError, RankFailedError
-from nblaunch.events import Diagnosis, Failure, diagnosis
+from nblaunch.events import Diagnosis, Event, Failure, diagnosis
 
 # How long a secondary failure ("connection reset by peer") waits for the primary one to show.
 SECONDARY_GRACE_S = 3.0
@@ -339,3 +339,38 @@ def short_type(qualified: str) -> str:
 
 def _indent(text: str) -> str:
     return "\n".join(f"    {line}" for line in text.splitlines())
+
+
+def timed_out(outcome: Outcome, world_size: int, timeout: float | None) -> RootCause:
+    """The root cause when ``timeout=`` ran out: it names the ranks still running."""
+    running = sorted(r for r in range(world_size) if r not in outcome.finished)
+    names = ", ".join(str(r) for r in running)
+    return RootCause(
+        Cause.TIMEOUT,
+        running[0] if running else 0,
+        f"timeout={timeout:g} s ran out with rank(s) {names} of {world_size} still running; "
+        "they were stopped",
+    )
+
+
+def stop_reason(root: RootCause | None, timeout: float | None) -> str:
+    """Why the ranks still running are being stopped, for their badges."""
+    if root is None:
+        return "stopped"
+    if root.cause is Cause.HANG:
+        return "stopped: the ranks could not make progress (see the error)"
+    if root.cause is Cause.TIMEOUT:
+        return f"stopped: timeout={timeout:g} s ran out"
+    return f"stopped after rank {root.rank} failed"
+
+
+def run_ended(outcome: Outcome, task_ranks: Iterable[int], ok: bool, elapsed_s: float) -> Event:
+    """The ``run_ended`` event: whether the run went well, and each task rank's outcome."""
+    outcomes: dict[int, str] = {}
+    for rank in task_ranks:
+        if rank in outcome.results:
+            outcomes[rank] = "returned"
+        else:
+            failure = next((f for f in outcome.failures if f.rank == rank), None)
+            outcomes[rank] = "stopped" if failure is None else failure.outcome_words()
+    return {"kind": "run_ended", "ok": ok, "elapsed_s": elapsed_s, "ranks": outcomes}
