@@ -607,10 +607,10 @@ class Pool:
 
     def _plan_nodes(self) -> Any:
         """The plan of this node of a multi-node pool (node 0)."""
-        from nblaunch.cluster import multinode  # not at import: ~10 ms
+        from nblaunch.cluster.plan import plan_nodes  # not at import: ~10 ms
 
         assert self.nodes is not None
-        plan = multinode.plan_nodes(_pool_task, self.num_processes, self.options, self.nodes, True)
+        plan = plan_nodes(_pool_task, self.num_processes, self.options, self.nodes, True)
         # Restarts keep the run id (and the secret): the nodes' join commands stay valid.
         self.nodes = self.nodes.replace(rdzv_id=plan.rdzv_run_id)
         return plan
@@ -619,22 +619,24 @@ class Pool:
         """The engine: this machine's ranks, or with the other nodes once they all joined."""
         if self.nodes is None:
             return Run(plan, NullView())
-        from nblaunch.cluster import multinode
+        from nblaunch.cluster.head import Head
+        from nblaunch.cluster.run import MultiNodeRun
+        from nblaunch.cluster.store import signal_handlers_kept
 
-        head = multinode.Head(plan, NullView(), secret=self._secret)
+        head = Head(plan, NullView(), secret=self._secret)
         self._secret = head.secret
         try:
             if self.nodes.start_nodes and self._starter is None:
                 self._starter = head.start_joins(self.nodes.start_nodes, self.nodes.hostfile)
             elif self._starter is not None:  # a lost node's join is started again
                 self._starter.renew(self.nodes.num_nodes - 1)
-            with multinode.signal_handlers_kept():
+            with signal_handlers_kept():
                 head.rendezvous(None, self.nodes.rdzv_timeout, self._starter)
         except BaseException:
             head.close()
             self._end_joins()
             raise
-        return multinode.MultiNodeRun(plan, NullView(), head)
+        return MultiNodeRun(plan, NullView(), head)
 
     def _end_joins(self) -> None:
         """The join commands this pool started end with it (they are given a while)."""
