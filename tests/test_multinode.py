@@ -26,6 +26,7 @@ from nblaunch.cluster import head as cluster_head
 from nblaunch.cluster.plan import MultiNodePlan
 from nblaunch.cluster.run import launch_multinode
 from nblaunch.cluster.store import node_rank_of, parse_endpoint, signal_handlers_kept
+from nblaunch.events import NullView
 from nblaunch.options import LaunchOptions, NodeOptions
 
 # The joined node cannot import this test module: send the functions defined here by value, as
@@ -130,8 +131,7 @@ class TwoNodes:
             num_processes,
             LaunchOptions(device_type="cpu", run_dir=self.run_dir),
             NodeOptions(num_nodes, self.endpoint, rdzv_timeout),
-            display="none",
-            view=view,
+            view_factory=lambda: NullView() if view is None else view,
         )
 
     def start_pool(self, **options):

@@ -42,6 +42,7 @@ node's side), this module (the run itself), :mod:`~nblaunch.cluster.join` and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nblaunch.cluster.channel import (
@@ -74,9 +75,8 @@ def launch_multinode(
     options: LaunchOptions,
     nodes: NodeOptions,
     *,
+    view_factory: Callable[[], EventSink],
     kwargs: dict[str, Any] | None = None,
-    display: str = "auto",
-    view: EventSink | None = None,
 ) -> list[Any]:
     """Run ``function`` on ``num_processes`` ranks on each of ``nodes.num_nodes`` nodes.
 
@@ -96,8 +96,10 @@ def launch_multinode(
         How many machines, where they meet (``rdzv_endpoint``: an address of this machine the
         other nodes can reach; one port serves the rendezvous, the process group's store and
         the event channel), how long to wait for them, the run id, and whether to start them.
-    view
-        Where events go, instead of the view ``display`` picks (for tests and other front ends).
+    view_factory
+        Makes the view events go to; the caller's front end picks it (a widget, text, nothing),
+        so this package needs no notebook. Called once the arguments are checked: a launch
+        refused for bad arguments shows no view.
 
     Returns
     -------
@@ -118,10 +120,7 @@ def launch_multinode(
 
     plan = plan_nodes(function, num_processes, options, nodes)
     payload = serialize_payload(function, args, kwargs)
-    if view is None:
-        from nblaunch.notebook.widgets import make_view
-
-        view = make_view(display)
+    view = view_factory()
     with signal_handlers_kept():
         run: MultiNodeRun | None = None
         starter: NodeStarter | None = None

@@ -150,9 +150,16 @@ def notebook_launcher(
             )
         nodes = NodeOptions(num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
         from nblaunch.cluster.run import launch_multinode  # not at import: ~9 ms, rarely used
+        from nblaunch.notebook.widgets import make_view
 
         return launch_multinode(
-            function, args, num_processes, options, nodes, kwargs=kwargs, display=display
+            function,
+            args,
+            num_processes,
+            options,
+            nodes,
+            view_factory=lambda: make_view(display),
+            kwargs=kwargs,
         )
     plan = plan_launch(function, num_processes, options)
     payload = serialize_payload(function, args, kwargs)
