@@ -22,14 +22,11 @@ import pytest
 from conftest import rank_children, wait_until
 
 from nblaunch import LaunchError, RankFailedError, RendezvousTimeoutError, notebook_launcher
-from nblaunch.cluster import multinode
-from nblaunch.cluster.multinode import (
-    MultiNodePlan,
-    launch_multinode,
-    node_rank_of,
-    parse_endpoint,
-    signal_handlers_kept,
-)
+from nblaunch.cluster import head as cluster_head
+from nblaunch.cluster.plan import MultiNodePlan
+from nblaunch.cluster.run import launch_multinode
+from nblaunch.cluster.store import node_rank_of, parse_endpoint, signal_handlers_kept
+from nblaunch.events import NullView
 from nblaunch.options import LaunchOptions, NodeOptions
 
 # The joined node cannot import this test module: send the functions defined here by value, as
@@ -134,8 +131,7 @@ class TwoNodes:
             num_processes,
             LaunchOptions(device_type="cpu", run_dir=self.run_dir),
             NodeOptions(num_nodes, self.endpoint, rdzv_timeout),
-            display="none",
-            view=view,
+            view_factory=lambda: NullView() if view is None else view,
         )
 
     def start_pool(self, **options):
@@ -396,7 +392,7 @@ def test_interrupt_stops_every_node_and_keeps_the_notebooks_handler(nodes):
 
 @pytest.mark.slow
 def test_a_node_that_goes_silent_fails_the_run(nodes, monkeypatch):
-    monkeypatch.setattr(multinode, "NODE_SILENCE_S", 3.0)
+    monkeypatch.setattr(cluster_head, "NODE_SILENCE_S", 3.0)
     joiner = nodes.start_joiner()
     view = Recorder()
 

@@ -55,7 +55,7 @@ _LOG_SOURCE = 0
 
 class EventSource(Protocol):
     """Events from elsewhere than this machine's pipes, e.g. another node's ranks
-    (:class:`nblaunch.cluster.multinode.RemoteNodes`)."""
+    (:class:`nblaunch.cluster.run.RemoteNodes`)."""
 
     def pull(self, relay: Relay) -> list[dict[str, Any]]:
         """Hand what arrived to ``relay.accept``; return the records the run must act on."""

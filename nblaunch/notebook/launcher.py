@@ -99,7 +99,7 @@ def notebook_launcher(
         rendezvous on ``rdzv_endpoint`` (``"host:port"``, one of its own addresses) and prints
         the ``python -m nblaunch join`` command for the other nodes, which must join within
         ``rdzv_timeout`` seconds (default 600). ``rdzv_id`` pins the run id, so the join
-        commands can be started before the cell. See :mod:`nblaunch.cluster.multinode`.
+        commands can be started before the cell. See :mod:`nblaunch.cluster.run`.
     start_nodes, hostfile
         Start the other nodes' join from here: ``"ssh"`` on the hosts of ``hostfile`` (after
         checking passwordless ssh), or ``"srun"`` inside a Slurm allocation. See
@@ -149,10 +149,17 @@ def notebook_launcher(
                 "another node's ranks; debug on one node, then scale out"
             )
         nodes = NodeOptions(num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
-        from nblaunch.cluster.multinode import launch_multinode  # not at import: ~9 ms, rarely used
+        from nblaunch.cluster.run import launch_multinode  # not at import: ~9 ms, rarely used
+        from nblaunch.notebook.widgets import make_view
 
         return launch_multinode(
-            function, args, num_processes, options, nodes, kwargs=kwargs, display=display
+            function,
+            args,
+            num_processes,
+            options,
+            nodes,
+            view_factory=lambda: make_view(display),
+            kwargs=kwargs,
         )
     plan = plan_launch(function, num_processes, options)
     payload = serialize_payload(function, args, kwargs)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from nblaunch.cluster import multinode
+from nblaunch.cluster.head import Head
+from nblaunch.cluster.plan import plan_nodes
+from nblaunch.cluster.run import MultiNodeRun
+from nblaunch.cluster.store import signal_handlers_kept
 from nblaunch.engine.run import Run
 from nblaunch.events import NullView
 from nblaunch.options import LaunchOptions, NodeOptions
@@ -28,26 +31,26 @@ class PoolNodes:
 
     def plan(self, function: Any, num_processes: int | None, options: LaunchOptions) -> Any:
         """The plan of this node (node 0); later starts keep its run id."""
-        plan = multinode.plan_nodes(function, num_processes, options, self.options, True)
+        plan = plan_nodes(function, num_processes, options, self.options, True)
         self.options = self.options.replace(rdzv_id=plan.rdzv_run_id)
         return plan
 
     def new_run(self, plan: Any) -> Run:
         """The engine once every other node joined (their joins started first, if ours)."""
-        head = multinode.Head(plan, NullView(), secret=self._secret)
+        head = Head(plan, NullView(), secret=self._secret)
         self._secret = head.secret
         try:
             if self.options.start_nodes and self._starter is None:
                 self._starter = head.start_joins(self.options.start_nodes, self.options.hostfile)
             elif self._starter is not None:  # a lost node's join is started again
                 self._starter.renew(self.options.num_nodes - 1)
-            with multinode.signal_handlers_kept():
+            with signal_handlers_kept():
                 head.rendezvous(None, self.options.rdzv_timeout, self._starter)
         except BaseException:
             head.close()
             self.end_joins()
             raise
-        return multinode.MultiNodeRun(plan, NullView(), head)
+        return MultiNodeRun(plan, NullView(), head)
 
     def end_joins(self) -> None:
         """The join commands this pool started end with it (they are given a while)."""

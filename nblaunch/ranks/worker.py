@@ -352,7 +352,7 @@ def _rendezvous_store(rank: int, world_size: int) -> Any:
     port = int(os.environ["MASTER_PORT"])
     timeout = datetime.timedelta(minutes=30)
     if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Multi-node runs: the notebook node hosts the store (nblaunch.cluster.multinode), as
+        # Multi-node runs: the notebook node hosts the store (nblaunch.cluster.store), as
         # torchrun's agent does; every rank, rank 0 included, is a client.
         return dist.TCPStore(address, port, world_size, False, timeout)
     listener = socket.create_server((address, port), reuse_port=False)

@@ -1,0 +1,311 @@
+"""Runs across several machines: the notebook node hosts, the other nodes join.
+
+A multi-node run is the single-node run of :mod:`nblaunch.engine.run` on every node, tied together
+by PyTorch's own elastic rendezvous (``torch.distributed.elastic``'s c10d rendezvous)::
+
+    notebook node (node 0)                                   other nodes
+      TCPStore on rdzv_endpoint ◀── c10d rendezvous ──────── python -m nblaunch join ENDPOINT
+        config + payload        ───────────────────────────▶   --run-id RUN (nblaunch.cluster.join)
+        "up" queue              ◀── events, output lines ────   Supervisor + Relay → store
+        "control" key           ─── ok / stop / interrupt ──▶   stops its ranks
+      Supervisor: ranks 0..n-1                                 Supervisor: ranks k*n..k*n+n-1
+      Run: root cause, view, results of every rank
+
+- **Rendezvous**: the notebook node listens on the address of ``rdzv_endpoint`` only (torch's
+  ``TCPStore`` would listen on every interface; we hand it a socket bound to that address). Node
+  membership, the join timeout and node ranks come from the elastic ``DynamicRendezvousHandler``
+  with the ``C10dRendezvousBackend`` on that store, as under ``torchrun --rdzv-backend c10d``.
+  Node ranks are its ranks, rotated so the notebook node is node 0 and holds global rank 0.
+- **Payload**: the function and its arguments (cloudpickle bytes) wait in the store; a joining
+  node needs only nblaunch installed, not the notebook.
+- **Process group**: every rank connects to the same store as a client, the contract of
+  ``TORCHELASTIC_USE_AGENT_STORE=True``; so one port serves rendezvous and process group.
+- **Events**: each joined node runs the ordinary supervisor and relay; its relay's sink pushes
+  the events and output lines of its ranks, in batches, onto a queue in the store, which the
+  notebook's relay pops alongside its own pipes. No second connection, no extra port.
+- **Decisions** are taken in one place, the notebook's :class:`~nblaunch.engine.run.Run`: the first
+  primary failure on any node is the root cause; the notebook then sets the control key and
+  every node stops its ranks. (An elastic agent per node would hide a remote failure from the
+  notebook node behind its exit barrier; here no node decides on its own.)
+
+We use the elastic *rendezvous* but not the elastic *agent*: the agent's worker management would
+replace the supervisor that captures output, finds the root cause and restores the notebook's
+signal handlers.
+
+Where each part lives: :mod:`~nblaunch.cluster.store` (the store and torch's rendezvous on it),
+:mod:`~nblaunch.cluster.channel` (the records the nodes exchange through it),
+:mod:`~nblaunch.cluster.plan` (each node's ranks), :mod:`~nblaunch.cluster.head` (the notebook
+node's side), this module (the run itself), :mod:`~nblaunch.cluster.join` and
+:mod:`~nblaunch.cluster.node_run` (a joined node's side).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nblaunch.cluster.channel import (
+    CONTROL_INTERRUPT,
+    CONTROL_OK,
+    CONTROL_REJOIN,
+    CONTROL_STOP,
+    rank_span,
+)
+from nblaunch.cluster.head import Head
+from nblaunch.cluster.node_start import NodeStarter
+from nblaunch.cluster.plan import MultiNodePlan, plan_nodes
+from nblaunch.cluster.store import signal_handlers_kept
+from nblaunch.engine.plan import serialize_payload
+from nblaunch.engine.relay import Relay
+from nblaunch.engine.run import Run
+from nblaunch.engine.verdict import Cause, RootCause
+from nblaunch.errors import RankFailedError
+from nblaunch.events import EventSink, RunState
+from nblaunch.options import LaunchOptions, NodeOptions
+
+# How long the notebook waits for the other nodes to report their ranks stopped.
+NODE_STOP_WAIT_S = 8.0
+
+
+def launch_multinode(
+    function: Any,
+    args: tuple[Any, ...] | list[Any],
+    num_processes: int | None,
+    options: LaunchOptions,
+    nodes: NodeOptions,
+    *,
+    view_factory: Callable[[], EventSink],
+    kwargs: dict[str, Any] | None = None,
+) -> list[Any]:
+    """Run ``function`` on ``num_processes`` ranks on each of ``nodes.num_nodes`` nodes.
+
+    Called by :func:`~nblaunch.notebook.launcher.notebook_launcher` when ``num_nodes`` is given; see
+    there for the options. This process is node 0 and holds ranks 0 to ``num_processes - 1``;
+    the other nodes join with ``python -m nblaunch join`` (started by hand, or from here with
+    ``nodes.start_nodes``: :mod:`nblaunch.cluster.node_start`).
+
+    Parameters
+    ----------
+    num_processes
+        Ranks *per node* (like torchrun's ``--nproc-per-node``); the run has
+        ``num_processes * num_nodes`` ranks.
+    options
+        How the ranks start and are watched, as for one machine.
+    nodes
+        How many machines, where they meet (``rdzv_endpoint``: an address of this machine the
+        other nodes can reach; one port serves the rendezvous, the process group's store and
+        the event channel), how long to wait for them, the run id, and whether to start them.
+    view_factory
+        Makes the view events go to; the caller's front end picks it (a widget, text, nothing),
+        so this package needs no notebook. Called once the arguments are checked: a launch
+        refused for bad arguments shows no view.
+
+    Returns
+    -------
+    list
+        ``function``'s return value on each rank, indexed by global rank.
+
+    Raises
+    ------
+    RendezvousTimeoutError
+        Not every node joined within ``rdzv_timeout``: nothing ran.
+    LaunchError
+        Bad arguments, an address this machine cannot listen on, a node that cannot take part.
+    Exception
+        The failing rank's own exception, from whichever node it ran on.
+    KeyboardInterrupt
+        The launch was interrupted; every rank on every node has been stopped.
+    """
+
+    plan = plan_nodes(function, num_processes, options, nodes)
+    payload = serialize_payload(function, args, kwargs)
+    view = view_factory()
+    with signal_handlers_kept():
+        run: MultiNodeRun | None = None
+        starter: NodeStarter | None = None
+        try:
+            head = Head(plan, view)
+            try:
+                if nodes.start_nodes is not None:
+                    starter = head.start_joins(nodes.start_nodes, nodes.hostfile)
+                head.rendezvous(payload, nodes.rdzv_timeout, starter)
+                run = MultiNodeRun(plan, view, head)
+                return run.execute(payload)
+            finally:
+                head.close()
+                if starter is not None:
+                    starter.close()
+        finally:
+            if run is None:  # the run closes the view; before it exists, close it here
+                view.close()
+
+
+class RemoteNodes:
+    """The other nodes' events, from the store, for the notebook's relay (an ``EventSource``).
+
+    Remote events reach the view and the run like local ones, with ``host`` and ``node`` added;
+    remote output is written to ``rank<N>.log`` here too, so every rank's log is in one place.
+    """
+
+    def __init__(self, head: Head, relay: Relay) -> None:
+        self.head = head
+        for rank in range(head.plan.world_size):  # remote in-order logs line up with local ones
+            relay.in_order.add_rank(rank)
+
+    def pull(self, relay: Relay) -> list[dict[str, Any]]:
+        """Pass the other nodes' events on; return those the run acts on."""
+        received: list[dict[str, Any]] = []
+        for node, events in self.head.pull():
+            host = self.head.hosts.get(node, f"node {node}")
+            for event in events:
+                if event["kind"] == "node":  # a node's own news: started, beat, done, broken
+                    self._node_news(node, event)
+                    continue
+                event["host"] = host
+                event["node"] = node
+                # A death: the run makes it a failure and a state; the rest is shown and logged.
+                if event["kind"] == "death" or relay.accept(event):
+                    received.append(event)
+        if received:
+            relay.sink.flush()
+        return received
+
+    def _node_news(self, node: int, news: dict[str, Any]) -> None:
+        head = self.head
+        what = news["what"]
+        if what == "started":
+            head.hosts[node] = news["host"]
+            span = rank_span(news["ranks"][0], news["ranks"][-1])
+            head.info(f"node {node} started", f"{news['host']} runs {span}")
+        elif what == "done":
+            head.done.add(node)
+            if head.control_sent is None:  # it stopped without being told to
+                head.errors.append((node, f"stopped its ranks on its own: {news['outcome']}"))
+        elif what == "error":
+            head.errors.append((node, news["message"]))
+        elif what == "forged_control":
+            head.warn(
+                f"node {head.hosts.get(node, node)} ignored a forged control value",
+                f"Another client set the run's control key at {head.endpoint}; the node went on.",
+            )
+
+    def drain(self, relay: Relay) -> None:
+        """Wait (bounded) for every other node to report its ranks stopped."""
+        deadline = time.monotonic() + NODE_STOP_WAIT_S
+        waiting = set(range(1, self.head.plan.num_nodes)) - self.head.done
+        while waiting and time.monotonic() < deadline:
+            self.pull(relay)
+            waiting -= self.head.done
+            waiting -= set(self.head.silent_nodes())
+            if waiting:
+                time.sleep(0.05)
+        relay.sink.flush()
+
+
+class _NodeMonitor:
+    """Fails the run when another node breaks down or goes silent (its ranks then count as lost)."""
+
+    def __init__(self, head: Head) -> None:
+        self.head = head
+
+    def on_event(self, run: Run, event: dict[str, Any]) -> None:
+        pass
+
+    def check(self, run: Run) -> RootCause | None:
+        head = self.head
+        problems = [(node, message) for node, message in head.errors]
+        problems += [
+            (node, f"sent nothing for {head.silence_s:g} s (its machine or network may be down)")
+            for node in head.silent_nodes()
+        ]
+        if not problems:
+            return None
+        node, message = problems[0]
+        plan = head.plan
+        first = node * plan.nproc_per_node
+        host = head.hosts.get(node, f"node {node}")
+        text = (
+            f"node {node} ({host}), {rank_span(first, first + plan.nproc_per_node - 1)}, "
+            f"{message}; "
+            "the run was stopped on every node"
+        )
+        for rank in range(first, first + plan.nproc_per_node):
+            run.set_state(rank, RunState.FAILED, message[:200])
+        return RootCause(
+            Cause.NODE,
+            first,
+            text,
+            title=f"node {node} ({host}) failed",
+            exception=RankFailedError(text, rank=first, world_size=plan.world_size),
+        )
+
+
+class MultiNodeRun(Run):
+    """A :class:`~nblaunch.engine.run.Run` whose ranks live on several nodes.
+
+    This node's ranks are supervised here as in a single-node run; the other nodes' events
+    reach the same relay from the store (:class:`RemoteNodes`). The decisions (root cause, when
+    to stop) are the ordinary run's; stopping also tells every other node, through the store,
+    to stop its ranks.
+    """
+
+    restarts_ranks = False  # other nodes' ranks cannot be started again from here
+
+    def __init__(self, plan: MultiNodePlan, view: EventSink, head: Head) -> None:
+        super().__init__(plan, view)
+        self.head = head
+        self.announced = True  # the head showed the header before the rendezvous
+        self.monitors.append(_NodeMonitor(head))
+
+    def _start_processes(self) -> None:
+        plan: MultiNodePlan = self.plan  # type: ignore[assignment]
+        self.backend.start(plan.local_ranks, setup=plan.setup_message)
+
+    def start(self) -> None:
+        super().start()
+        assert self.relay is not None
+        self.relay.add_source(RemoteNodes(self.head, self.relay))
+
+    def begin_task(self, view: EventSink, ranks: list[int], **options: Any) -> None:
+        super().begin_task(view, ranks, **options)
+        self.monitors.append(_NodeMonitor(self.head))
+
+    def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
+        """Send the task to this node's ranks among ``ranks``; a pool's other nodes read it
+        from the store (a one-shot run's took theirs at the rendezvous)."""
+        super().send_task(payload, task_id, ranks)
+        if self.plan.pool:  # type: ignore[attr-defined]
+            self.head.publish_task(task_id, self.task_ranks, payload)
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """Interrupt ``ranks`` of the task: this node's by signal, the others' through the store."""
+        local = {rank.rank for rank in self.backend.ranks}
+        super().interrupt([r for r in ranks if r in local])
+        remote = [r for r in ranks if r not in local]
+        if remote:
+            self.head.interrupt(remote)
+
+    def release_nodes(self, rejoin: bool) -> None:
+        """Tell the other nodes to stop their ranks, and either exit or join this pool's next
+        start (``rejoin``); wait (bounded) for them to say so, then close the rendezvous."""
+        self.head.control(CONTROL_REJOIN if rejoin else CONTROL_OK)
+        if self.relay is not None:
+            self.relay.drain_output(timeout=0.5)
+        self.head.close()
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event["kind"] == "death":
+            self.on_death(event["rank"], event["exitcode"])
+            self.outcome.failures[-1].message += f" (on node {event['node']}, {event['host']})"
+            return
+        super().on_event(event)
+
+    def stop_on_interrupt(self) -> None:
+        self.head.control(CONTROL_INTERRUPT)
+        super().stop_on_interrupt()
+
+    def finish(self) -> None:
+        ok = len(self.outcome.results) == self.plan.world_size and self.outcome.root is None
+        self.head.control(CONTROL_OK if ok else CONTROL_STOP)
+        super().finish()
