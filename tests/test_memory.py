@@ -19,7 +19,7 @@ from nblaunch.engine.plan import plan_launch, serialize_payload
 from nblaunch.engine.run import Run
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
-from nblaunch.notebook.widgets import RecordingView
+from nblaunch.notebook.views import RecordingView
 from nblaunch.options import LaunchOptions
 from nblaunch.rank import memory
 from nblaunch.rank.memory import (

@@ -19,9 +19,9 @@ from conftest import kernel_pool_pids, rank_children, wait_until
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
 from nblaunch.notebook import pool as pool_module
-from nblaunch.notebook import widgets
+from nblaunch.notebook import views
 from nblaunch.notebook.pool import Pool, PoolState, parse_ranks, rank_namespace, start_pool
-from nblaunch.notebook.widgets import RecordingView
+from nblaunch.notebook.views import RecordingView
 
 
 class Recorder(RecordingView):
@@ -191,7 +191,7 @@ def test_the_view_is_built_only_when_a_task_has_something_to_show(pool, recorded
     pool.run(print, "hello")
     assert len(recorded) == 1 and lines(recorded[0]) == ["hello", "hello"]
     assert recorded[0][0]["kind"] == "run_info"  # the late view still gets every event
-    pool.run(time.sleep, widgets.LIVE_VIEW_AFTER_S + 0.3)  # long enough for a live view
+    pool.run(time.sleep, views.LIVE_VIEW_AFTER_S + 0.3)  # long enough for a live view
     assert len(recorded) == 2 and recorded[1][-1]["kind"] == "run_ended"
     with pytest.raises(ZeroDivisionError):
         pool.run(divmod, 1, 0)

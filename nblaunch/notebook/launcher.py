@@ -156,15 +156,9 @@ def notebook_launcher(
         )
     plan = plan_launch(function, num_processes, options)
     payload = serialize_payload(function, args, kwargs)
-    from nblaunch.notebook.widgets import (  # not at import: ~12 ms
-        DeferredView,
-        LaunchView,
-        make_view,
-    )
+    from nblaunch.notebook.views import choose_view  # not at import: ~12 ms
 
-    view = make_view(display)
-    if isinstance(view, LaunchView):
-        view = DeferredView(view)  # a launch over in a moment gets its summary alone
+    view = choose_view(display)  # a live widget is deferred: a quick launch shows its summary
     if plan.device_type == "xla":
         return _launch_xla(plan, payload)
     try:
