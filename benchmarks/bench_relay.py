@@ -56,17 +56,17 @@ def emit(n, sink):
 KERNEL_SETUP = (
     WORKLOAD
     + """
-import nblaunch.notebook.widgets as _widgets
+import nblaunch.notebook.views.choose as _choose
 from nblaunch import notebook_launcher
 _views = []
-_make_view = _widgets.make_view
+_make_view = _choose.make_view
 
 def _capture(display):
     view = _make_view(display)
     _views.append(view)
     return view
 
-_widgets.make_view = _capture
+_choose.make_view = _capture
 print("PID", os.getpid())
 """
 )
@@ -77,7 +77,7 @@ notebook_launcher(emit, args=({n}, {sink!r}), num_processes=2, display="auto", r
 _wall = time.perf_counter() - _t0
 _v = _views[-1]
 print("BENCH " + json.dumps({{"wall": _wall, "view": type(_v).__name__,
-    "lines_received": getattr(_v, "lines_received", None),
+    "lines_received": getattr(getattr(_v, "model", None), "lines_received", None),
     "messages_sent": getattr(_v, "messages_sent", None)}}))
 """
 

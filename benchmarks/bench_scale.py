@@ -239,16 +239,16 @@ class ArrivalClock:
 
 def clocked_views() -> list[ArrivalClock]:
     """Make every later launch's view an :class:`ArrivalClock`; returns the list they go to."""
-    import nblaunch.notebook.widgets as widgets
+    import nblaunch.notebook.views.choose as choose
 
     made: list[ArrivalClock] = []
-    make_view = widgets.make_view
+    make_view = choose.make_view
 
     def clocked(display: str) -> ArrivalClock:
         made.append(ArrivalClock(make_view(display)))
         return made[-1]
 
-    widgets.make_view = clocked
+    choose.make_view = clocked
     return made
 
 

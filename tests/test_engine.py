@@ -30,7 +30,7 @@ from nblaunch.errors import DistributedHangError, LaunchError, LaunchTimeoutErro
 from nblaunch.events import RunState
 from nblaunch.notebook.pool import Pool, PoolState
 from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
-from nblaunch.notebook.widgets import RecordingView
+from nblaunch.notebook.views import RecordingView
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks.batch_size import RESTART_OPTION
 

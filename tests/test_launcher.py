@@ -224,17 +224,17 @@ def test_progress_bars_end_where_the_next_output_begins_in_the_text_view(capfd, 
 
 
 def test_progress_bars_in_the_widget_keep_each_last_state_once(monkeypatch, tmp_path):
-    from nblaunch.notebook import widgets
+    from nblaunch.notebook.views import LaunchView, choose, widget
 
     views = []
-    monkeypatch.setattr(widgets, "_display", lambda obj, **kw: None)
+    monkeypatch.setattr(widget, "_display", lambda obj, **kw: None)
     monkeypatch.setattr(
-        widgets, "make_view", lambda display: views.append(widgets.LaunchView()) or views[-1]
+        choose, "make_view", lambda display: views.append(LaunchView()) or views[-1]
     )
     launch(tqdm_bars, display="widget", run_dir=tmp_path / "run")
     (view,) = views
     for rank in (0, 1):
-        lines = [line[2] for line in view._per_rank[rank]]
+        lines = [line[2] for line in view.model.rank_lines[rank]]
         assert not [line for line in lines if _glued(line)], lines
         assert all(line.strip() for line in lines), lines  # no blank or cleared bar lines
         bars = [line for line in lines if "it/s]" in line]
@@ -248,7 +248,7 @@ def test_progress_bars_in_the_widget_keep_each_last_state_once(monkeypatch, tmp_
         ]
         assert lines.index(f"{{'loss': 0.{rank}}}") < lines.index(bars[-1])  # bar below it
     # The two ranks' bars interleave in the All ranks tab without mixing.
-    everything = [(line[0], line[2]) for line in view._all]
+    everything = [(line[0], line[2]) for line in view.model.all_lines]
     assert len(everything) == 14
     assert not [text for _, text in everything if _glued(text)]
 

@@ -13,7 +13,7 @@ from nblaunch import get_logger, notebook_launcher
 from nblaunch.engine.in_order import InOrderLog
 from nblaunch.engine.plan import plan_launch, serialize_payload
 from nblaunch.engine.run import Run
-from nblaunch.notebook.widgets import RecordingView
+from nblaunch.notebook.views import RecordingView
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks.logging import RankLogger
 

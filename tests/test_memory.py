@@ -21,7 +21,7 @@ from nblaunch.engine.run import Run
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
 from nblaunch.events import RunState
-from nblaunch.notebook.widgets import RecordingView
+from nblaunch.notebook.views import RecordingView
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks.batch_size import RESTART_OPTION, find_executable_batch_size, render_attempts
 from nblaunch.ranks.memory import free_memory, is_out_of_memory, per_device_batch_size, set_seed

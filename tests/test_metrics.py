@@ -12,7 +12,7 @@ from conftest import WIDGET_VIEW
 
 from nblaunch import load_metrics, log_metrics, notebook_launcher
 from nblaunch.notebook.charts import MAX_POINTS, MetricSeries, render_svg, series_from
-from nblaunch.notebook.widgets import LaunchView
+from nblaunch.notebook.views import LaunchView
 
 COMPAT = Path(__file__).parent / "compat"
 

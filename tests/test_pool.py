@@ -18,10 +18,10 @@ from conftest import kernel_pool_pids, rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
-from nblaunch.notebook import widgets
+from nblaunch.notebook import views
 from nblaunch.notebook.pool import Pool, PoolState, parse_ranks, start_pool
 from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S
-from nblaunch.notebook.widgets import RecordingView
+from nblaunch.notebook.views import RecordingView
 from nblaunch.ranks.namespace import rank_namespace
 
 
@@ -54,7 +54,7 @@ def pool():
 def recorded(pool, monkeypatch):
     pool.display = "text"  # any view but "none"; make_view below hands out recorders
     Recorder.tasks = []
-    monkeypatch.setattr("nblaunch.notebook.widgets.make_view", lambda display: Recorder())
+    monkeypatch.setattr("nblaunch.notebook.views.choose.make_view", lambda display: Recorder())
     return Recorder.tasks
 
 
@@ -192,7 +192,7 @@ def test_the_view_is_built_only_when_a_task_has_something_to_show(pool, recorded
     pool.run(print, "hello")
     assert len(recorded) == 1 and lines(recorded[0]) == ["hello", "hello"]
     assert recorded[0][0]["kind"] == "run_info"  # the late view still gets every event
-    pool.run(time.sleep, widgets.LIVE_VIEW_AFTER_S + 0.3)  # long enough for a live view
+    pool.run(time.sleep, views.LIVE_VIEW_AFTER_S + 0.3)  # long enough for a live view
     assert len(recorded) == 2 and recorded[1][-1]["kind"] == "run_ended"
     with pytest.raises(ZeroDivisionError):
         pool.run(divmod, 1, 0)

@@ -11,7 +11,7 @@ import pytest
 
 from nblaunch.engine.relay import MAX_LINE_BYTES, Relay
 from nblaunch.engine.supervisor import RankProcess
-from nblaunch.notebook.widgets import RecordingView
+from nblaunch.notebook.views import RecordingView
 
 
 class Recorder(RecordingView):

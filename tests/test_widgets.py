@@ -1,4 +1,7 @@
-"""LaunchView and make_view, driven with scripted events (no processes, no kernel)."""
+"""LaunchView, TextView and choosing a view, driven with scripted events (no processes, no kernel).
+
+The run model, the HTML and the summary alone are tested without widgets in test_views.py.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +13,19 @@ import ipywidgets
 import pytest
 
 from nblaunch.errors import LaunchError
-from nblaunch.events import RunState
-from nblaunch.notebook import widgets
-from nblaunch.notebook.widgets import LaunchView, NullView, TextView, make_view
+from nblaunch.events import NullView, RunState
+from nblaunch.notebook.views import (
+    DeferredView,
+    LaunchView,
+    TextView,
+    choose,
+    choose_view,
+    make_view,
+    model,
+    render,
+    summary,
+    widget,
+)
 
 
 def run_info(world_size: int = 2, run_dir: str = "/tmp/runs/r1") -> dict:
@@ -52,7 +65,7 @@ def rank1_failed() -> dict:
 def displayed(monkeypatch) -> list:
     """What the view displays (widget, summary), instead of printing reprs to the terminal."""
     shown: list = []
-    monkeypatch.setattr(widgets, "_display", lambda obj, **kw: shown.append(obj))
+    monkeypatch.setattr(widget, "_display", lambda obj, **kw: shown.append(obj))
     return shown
 
 
@@ -78,18 +91,52 @@ def test_make_view_modes(monkeypatch):
     assert isinstance(make_view("none"), NullView)
     assert isinstance(make_view("text"), TextView)
     assert isinstance(make_view("widget"), LaunchView)
-    monkeypatch.setattr(widgets, "in_notebook_kernel", lambda: False)
+    monkeypatch.setattr(choose, "in_notebook_kernel", lambda: False)
     assert isinstance(make_view("auto"), TextView)
-    monkeypatch.setattr(widgets, "in_notebook_kernel", lambda: True)
+    monkeypatch.setattr(choose, "in_notebook_kernel", lambda: True)
     assert isinstance(make_view("auto"), LaunchView)
-    monkeypatch.setattr(widgets, "widgets_available", lambda: False)
+    monkeypatch.setattr(choose, "widgets_available", lambda: False)
     assert isinstance(make_view("auto"), TextView)
     with pytest.raises(LaunchError, match="display='html' is not one of"):
         make_view("html")
 
 
+def test_choose_view_defers_what_each_front_end_defers(monkeypatch):
+    monkeypatch.setattr(choose, "in_notebook_kernel", lambda: True)
+    launch = choose_view("auto")  # notebook_launcher: the live widget only
+    assert isinstance(launch, DeferredView) and isinstance(launch.view, LaunchView)
+    assert isinstance(choose_view("text"), TextView)
+    task = choose_view("text", defer="always")  # a pool task: any view
+    assert isinstance(task, DeferredView) and isinstance(task.view, TextView)
+    assert isinstance(choose_view("widget", defer="never"), LaunchView)  # multi-node
+    for defer in ("widget", "always", "never"):
+        assert isinstance(choose_view("none", defer=defer), NullView)
+    with pytest.raises(ValueError, match="defer='sometimes'"):
+        choose_view("auto", defer="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match="display='html' is not one of"):
+        choose_view("html")
+
+
+def test_a_quick_silent_run_shows_nothing_and_a_quick_failure_its_summary(displayed):
+    quiet = choose_view("widget")
+    for event in (run_info(), {"kind": "run_ended", "ok": True, "elapsed_s": 0.1, "ranks": {}}):
+        quiet.handle(event)
+    quiet.close()
+    assert displayed == []
+    failed = choose_view("widget")
+    failed.handle(run_info())
+    failed.handle(state(1, RunState.FAILED, "ValueError: boom"))
+    failed.handle({"kind": "run_ended", "ok": False, "elapsed_s": 0.1, "ranks": {1: "boom"}})
+    failed.close()
+    (shown,) = displayed  # the summary alone, no widget tree
+    assert shown["text/plain"].splitlines()[:2] == [
+        "nblaunch: failed in 0.10 s",
+        "  rank 1: FAILED · boom",
+    ]
+
+
 def test_not_in_a_kernel_here():
-    assert widgets.in_notebook_kernel() is False
+    assert choose.in_notebook_kernel() is False
 
 
 # --- the view ------------------------------------------------------------------------------------
@@ -121,8 +168,8 @@ def test_lines_are_bounded_per_rank_and_point_to_the_log_file(view):
     rank0 = log_html(view, 1)
     assert "line 11" in rank0 and "line 6" not in rank0 and "line 7" in rank0
     assert "7 earlier lines in /tmp/runs/r1/rank0.log" in rank0
-    assert len(view._all) == 5 and len(view._per_rank[0]) == 5
-    assert view.lines_received == 12
+    assert len(view.model.all_lines) == 5 and len(view.model.rank_lines[0]) == 5
+    assert view.model.lines_received == 12
 
 
 def test_carriage_return_updates_one_line_in_place(view):
@@ -138,7 +185,7 @@ def test_carriage_return_updates_one_line_in_place(view):
     assert rank0.count("train 100%") == 1
     assert rank0.index("before") < rank0.index("train 100%") < rank0.index("after")
     assert log_html(view, 0).count("train 100%") == 1
-    assert view.lines_received == 3
+    assert view.model.lines_received == 3
 
 
 def log_record(rank: int, message: str, level: str = "WARNING") -> dict:
@@ -165,10 +212,10 @@ def test_a_cleared_bar_leaves_no_line_and_a_log_record_never_replaces_a_bar(view
     view.handle(line(1, "", carriage=True))
     view.handle(line(1, ""))  # a bare "\r" then the end: no line either
     view.handle(line(1, ""))  # but a blank line printed on purpose stays
-    texts = [entry[2] for entry in view._per_rank[0]]
+    texts = [entry[2] for entry in view.model.rank_lines[0]]
     assert texts == ["before", "WARNING train: loss is nan", "after"]
-    assert [entry[2] for entry in view._per_rank[1]] == [""]
-    assert view._counts[0] == 3 and len(view._all) == 4
+    assert [entry[2] for entry in view.model.rank_lines[1]] == [""]
+    assert view.model.line_counts[0] == 3 and len(view.model.all_lines) == 4
     view.flush(force=True)
     assert "50%" not in log_html(view, 1)
 
@@ -308,8 +355,10 @@ def test_handle_is_cheap_and_memory_stays_bounded(view):
         view.handle(line(i & 1, f"rank {i & 1} line {i} with some typical text"))
     took = time.perf_counter() - start
     assert took < 8.0  # about 1-2 µs a line on a quiet machine
-    assert len(view._all) == 5 and all(len(lines) == 5 for lines in view._per_rank.values())
-    assert view.lines_received == 400_000
+    assert len(view.model.all_lines) == 5 and all(
+        len(lines) == 5 for lines in view.model.rank_lines.values()
+    )
+    assert view.model.lines_received == 400_000
     view.flush(force=True)
     assert "line 399999" in log_html(view, 0)
 
@@ -411,7 +460,7 @@ def test_visible_lines_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("NBLAUNCH_VIEW_LINES", "7")
     assert LaunchView().max_lines == 7
     monkeypatch.setenv("NBLAUNCH_VIEW_LINES", "lots")
-    assert LaunchView().max_lines == widgets.DEFAULT_VIEW_LINES
+    assert LaunchView().max_lines == model.DEFAULT_VIEW_LINES
     assert LaunchView(max_lines=3).max_lines == 3
     with pytest.raises(ValueError, match="must be positive"):
         LaunchView(max_rate=0)
@@ -493,7 +542,7 @@ def test_the_summary_keeps_each_ranks_last_lines_and_the_error(view, displayed):
 
 
 def test_the_summary_is_bounded_however_many_ranks_print(displayed, monkeypatch):
-    monkeypatch.setattr(widgets, "SUMMARY_TOTAL_LINES", 30)
+    monkeypatch.setattr(summary, "SUMMARY_TOTAL_LINES", 30)
     v = LaunchView(max_lines=100)
     v.handle(run_info(world_size=4))
     for i in range(400):
@@ -509,7 +558,7 @@ def test_the_summary_is_bounded_however_many_ranks_print(displayed, monkeypatch)
 
 def test_the_root_cause_that_comes_after_the_end_reaches_the_panel_and_summary(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(widgets, "_display", lambda obj, **kw: calls.append((obj, kw)))
+    monkeypatch.setattr(widget, "_display", lambda obj, **kw: calls.append((obj, kw)))
     v = LaunchView()
     v.handle(run_info())
     v.handle(state(1, RunState.FAILED, "ValueError: boom"))
@@ -550,7 +599,7 @@ def test_tqdm_bars_become_progress_bars_per_rank_and_for_all_ranks():
                 "text": f"train: {done}%|████      | {done}/100 [00:01<00:02, 30.12it/s]",
             }
         )
-    html = view._ranks_html()
+    html = render.ranks_html(view.model)
     assert "width:42%" in html and "42/100 · 30.12it/s · ETA 00:02" in html
     assert "all ranks" in html and html.index("all ranks") < html.index("rank 0 ·")
     assert html.count("nbl-pbar'") == 3  # rank 0, rank 1, and all ranks (the slowest: 10%)

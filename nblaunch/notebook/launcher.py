@@ -150,7 +150,7 @@ def notebook_launcher(
             )
         nodes = NodeOptions(num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
         from nblaunch.cluster.run import launch_multinode  # not at import: ~9 ms, rarely used
-        from nblaunch.notebook.widgets import make_view
+        from nblaunch.notebook.views import choose_view
 
         return launch_multinode(
             function,
@@ -158,20 +158,14 @@ def notebook_launcher(
             num_processes,
             options,
             nodes,
-            view_factory=lambda: make_view(display),
+            view_factory=lambda: choose_view(display, defer="never"),
             kwargs=kwargs,
         )
     plan = plan_launch(function, num_processes, options)
     payload = serialize_payload(function, args, kwargs)
-    from nblaunch.notebook.widgets import (  # not at import: ~12 ms
-        DeferredView,
-        LaunchView,
-        make_view,
-    )
+    from nblaunch.notebook.views import choose_view  # not at import: ~12 ms
 
-    view = make_view(display)
-    if isinstance(view, LaunchView):
-        view = DeferredView(view)  # a launch over in a moment gets its summary alone
+    view = choose_view(display)  # a live widget is deferred: a quick launch shows its summary
     if plan.device_type == "xla":
         return _launch_xla(plan, payload)
     try:

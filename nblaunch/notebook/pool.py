@@ -16,9 +16,9 @@ tasks:
   person is told that the ranks' state is gone;
 - a rank that dies fails its cell with the real cause and leaves the pool *broken*: the next
   cell says so at once (``%dist restart``) instead of hanging on the dead rank;
-- the live view is built only for a task that runs past ``widgets.LIVE_VIEW_AFTER_S``; a
+- the live view is built only for a task that runs past ``views.LIVE_VIEW_AFTER_S``; a
   quicker one shows its static summary, or nothing when it was silent and successful
-  (``widgets.DeferredView``): the widget costs more than a quick cell on the pool.
+  (``views.DeferredView``): the widget costs more than a quick cell on the pool.
 
 Inside a rank, :func:`nblaunch.ranks.namespace.rank_namespace` is the dictionary cells run in;
 it lives as long as the rank process. The end of a task is :mod:`nblaunch.notebook.pool_task`.

@@ -241,14 +241,14 @@ class PoolRanks:
         KeyboardInterrupt
             The task was interrupted; the ranks are ready for the next one.
         """
-        from nblaunch.notebook.widgets import DeferredView, make_view
+        from nblaunch.notebook.views import choose_view  # not at import: ~13 ms
 
         self._check_usable()
         task_ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
         if not task_ranks or any(not 0 <= r < self.world_size for r in task_ranks):
             raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{self.world_size - 1}")
         mode = display or self.display
-        view = DeferredView(make_view(mode)) if mode != "none" else NullView()
+        view = choose_view(mode, defer="always")
         run = self.engine
         self._task_id += 1
         self.state = PoolState.BUSY

@@ -1,0 +1,311 @@
+"""``LaunchView``: the live view of a run in a notebook cell, built from ipywidgets.
+
+It keeps a :class:`~nblaunch.notebook.views.model.RunModel`, renders it with ``render`` into
+ipywidgets' core widgets (no JavaScript of its own) and stays calm under any amount of output:
+``handle`` only feeds the model, and ``flush`` sends the parts that changed while keeping the
+messages to the browser under ``max_rate`` a second. When the run ends it displays the static
+summary (``summary``), so a saved notebook shows what happened even without widget state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from nblaunch.events import Event
+from nblaunch.notebook.views import render
+from nblaunch.notebook.views.model import RunModel, env_lines
+from nblaunch.notebook.views.summary import summary_bundle
+
+_shared: dict[str, Any] = {}
+
+
+def _shared_models() -> dict[str, Any]:
+    """Layouts and styles shared by every view's widgets, made once per kernel.
+
+    Each ipywidget otherwise makes a Layout and a Style model of its own: two more comms to open
+    per widget, which made up most of a view's ~15 ms build. Shared models are never changed
+    (a widget that should look different gets another one), since other views show them too.
+    """
+    if not _shared:
+        import ipywidgets as widgets
+        from ipywidgets.widgets.widget_string import HTMLStyle
+
+        _shared.update(
+            plain=widgets.Layout(),
+            hidden=widgets.Layout(display="none"),
+            grow=widgets.Layout(flex="1 1 auto"),
+            button=widgets.Layout(width="auto", flex="0 0 auto"),
+            row=widgets.Layout(align_items="flex-start"),
+            html_style=HTMLStyle(),
+            button_style=widgets.ButtonStyle(),
+        )
+    return _shared
+
+
+class LaunchView:
+    """The live view of a run in a notebook cell, built from ipywidgets.
+
+    A header (ranks, device, start method, debug, run directory, elapsed time) with a Stop
+    button; one status badge per rank with its last line and, once heartbeats arrive, the share
+    of time it spends computing versus waiting in collectives; an error panel for diagnoses; a
+    progress area for multi-attempt operations (out-of-memory retries); and the logs, in an
+    "All ranks" tab and one tab per rank.
+
+    Parameters
+    ----------
+    max_lines
+        Lines kept on screen per rank and in the "All ranks" tab (default 200, or
+        ``NBLAUNCH_VIEW_LINES``); every line is in the run directory's ``rank<N>.log`` anyway.
+    max_rate
+        Most messages sent to the browser per second, whatever the ranks print.
+    max_line_chars
+        Longer lines are shown cut, with a note (the log file has them whole).
+
+    Notes
+    -----
+    ``handle``, ``flush`` and ``close`` run on the thread that launched the run (the kernel's
+    main thread), so every update belongs to the cell that launched it. The Stop button has to
+    work while that thread is busy running the launcher: its clicks are noticed on ipykernel's
+    shell-channel thread (ipykernel 7+, which routes each comm message there first) and turned
+    into the kernel's own interrupt, SIGINT to this process, which the launcher answers by
+    stopping every rank.
+    """
+
+    def __init__(
+        self, *, max_lines: int | None = None, max_rate: float = 20.0, max_line_chars: int = 1000
+    ) -> None:
+        if max_lines is None:
+            max_lines = env_lines()
+        if max_lines < 1 or max_rate <= 0 or max_line_chars < 1:
+            raise ValueError("max_lines, max_rate and max_line_chars must be positive")
+        self.max_lines = max_lines
+        self.max_rate = max_rate
+        self.max_line_chars = max_line_chars
+        self.model = RunModel(max_lines)
+        # What the view has sent (read by tests and benchmarks).
+        self.renders = 0
+        self.messages_sent = 0  # widget updates sent to the browser
+        self.summary_shown = False
+        self._summary_id: str | None = None  # display id of the summary, to update it in place
+        self._summary_sent: dict[str, str] = {}
+        self.stop_hooked = False  # the Stop button works while the run is busy
+        self._rendered: set[str | int] = set()
+        self._next_render = 0.0
+        self._last_header = 0.0
+        self._started_clock = time.monotonic()
+        self._widgets: dict[str, Any] = {}
+        self._logs: list[Any] = []
+        self._shown: dict[int, str] = {}  # id(widget) -> value last sent
+        self._running = False
+        self._stop_lock = threading.Lock()
+        self.stop_requested = False
+        # False: build no widgets, show only the static summary at the end (a run that was
+        # over before its live view would have appeared; see DeferredView).
+        self.live = True
+
+    # --- EventSink -------------------------------------------------------------------------------
+
+    def handle(self, event: Event) -> None:
+        """Take one event; cheap for output lines (the model appends to bounded buffers)."""
+        self.model.handle(event)
+        kind = event["kind"]
+        if kind == "run_info":
+            self._started_clock = time.monotonic() - max(0.0, time.time() - event["started_at"])
+            self._running = True
+            self._build()
+        elif self.summary_shown and kind in ("diagnosis", "state", "progress"):
+            self._after_close()
+
+    def flush(self, force: bool = False) -> None:
+        """Render what changed, keeping under ``max_rate`` browser messages a second."""
+        now = time.monotonic()
+        changed = self.model.changed
+        if self._running and now - self._last_header >= 1.0:
+            changed.add("head")  # the elapsed time
+        if not changed or not self._widgets or (not force and now < self._next_render):
+            return
+        sent = self._render()
+        self._last_header = now if "head" in self._rendered else self._last_header
+        # A render that sent k messages buys the next one k / max_rate seconds later.
+        self._next_render = now + sent / self.max_rate
+
+    def close(self) -> None:
+        """The run is over: final render, retire the Stop button, show the static summary."""
+        with self._stop_lock:
+            self._running = False
+        if self._widgets:
+            self.model.changed.update(("head", "ranks", "panel", "progress", "charts", "logs"))
+            self.model.changed.update(self.model.rank_lines)
+            self.flush(force=True)
+            stop = self._widgets["stop"]
+            stop.disabled = True
+            stop.layout = _shared_models()["hidden"]
+        elif self.live:
+            return  # no run to show
+        if self.model.ended is not None and not self.summary_shown:
+            self.summary_shown = True
+            self._summary_id = f"nblaunch-summary-{id(self):x}-{time.time_ns():x}"
+            self._summary_sent = self.summary_bundle()
+            _display(self._summary_sent, raw=True, display_id=self._summary_id)
+
+    def summary_bundle(self) -> dict[str, str]:
+        """The end-of-run summary as ``text/plain`` and ``text/html`` (see ``summary``)."""
+        return summary_bundle(self.model)
+
+    def _after_close(self) -> None:
+        """An event after the run ended (the root cause comes last): show it, update the summary."""
+        self.flush(force=True)
+        if self._summary_id is None:
+            return
+        bundle = self.summary_bundle()
+        if bundle != self._summary_sent:
+            self._summary_sent = bundle
+            _display(bundle, raw=True, display_id=self._summary_id, update=True)
+
+    # --- the Stop button -------------------------------------------------------------------------
+
+    def request_stop(self) -> bool:
+        """Interrupt the run like the kernel's interrupt button: SIGINT to this process.
+
+        Safe from any thread; does nothing once the run is over or a stop was requested.
+        Returns True when the interrupt was sent.
+        """
+        with self._stop_lock:
+            if not self._running or self.stop_requested:
+                return False
+            self.stop_requested = True
+        os.kill(os.getpid(), signal.SIGINT)
+        return True
+
+    def _hook_stop(self, button: Any) -> bool:
+        """Notice clicks on ipykernel's shell-channel thread, before they queue behind the run.
+
+        ipykernel 7 asks each comm, on that thread, where to route a frontend message
+        (``_reply_subshell_for``); wrapping that question lets a click be seen while the main
+        thread is busy in the launcher. The message still goes on to its usual handler.
+        """
+        comm = getattr(button, "comm", None)
+        route = getattr(comm, "_reply_subshell_for", None)
+        if route is None:
+            return False
+
+        def route_and_watch(data: Any, default: Any) -> Any:
+            content = data.get("content") if isinstance(data, dict) else None
+            if isinstance(content, dict) and content.get("event") == "click":
+                self.request_stop()
+            return route(data, default)
+
+        comm._reply_subshell_for = route_and_watch
+        return True
+
+    # --- widgets ---------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        """Create the widgets once the run's size is known, and show them in this cell."""
+        import ipywidgets as widgets
+
+        if self._widgets or not self.live:
+            return
+        assert self.model.info is not None
+        world = self.model.info["world_size"]
+        shared = _shared_models()
+
+        def html(value: str = "", layout: str = "plain") -> Any:
+            return widgets.HTML(value, layout=shared[layout], style=shared["html_style"])
+
+        head = html(layout="grow")
+        stop = widgets.Button(
+            description="Stop",
+            icon="stop",
+            tooltip="Interrupt every rank, like the notebook's interrupt button",
+            layout=shared["button"],
+            style=shared["button_style"],
+        )
+        stop.on_click(lambda _button: self.request_stop())
+        self.stop_hooked = self._hook_stop(stop)
+        if not self.stop_hooked:
+            stop.tooltip = "Takes effect only between cells here: use the notebook's interrupt"
+        ranks = html()
+        panel = html(layout="hidden")
+        progress = html(layout="hidden")
+        charts = html(layout="hidden")
+        self._logs = [html() for _ in range(world + 1)]
+        tabs = widgets.Tab(
+            children=self._logs,
+            titles=["All ranks", *(f"rank {r}" for r in range(world))],
+            layout=shared["plain"],
+        )
+        top = widgets.HBox([head, stop], layout=shared["row"])
+        root = widgets.VBox(
+            [html(render.CSS), top, ranks, panel, progress, charts, tabs], layout=shared["plain"]
+        )
+        root.add_class("nbl-root")
+        self._widgets = {
+            "root": root,
+            "head": head,
+            "stop": stop,
+            "ranks": ranks,
+            "panel": panel,
+            "progress": progress,
+            "charts": charts,
+            "tabs": tabs,
+        }
+        self.model.expect_ranks()
+        self.model.changed.update(("head", "ranks", "logs"))
+        _display(root)
+        self.flush(force=True)
+
+    def _render(self) -> int:
+        """Push what changed to the widgets; return how many messages that sent."""
+        model = self.model
+        dirty, model.changed = model.changed, set()
+        if any(isinstance(part, int) for part in dirty):  # new lines: the log and last lines
+            dirty.update(("logs", "ranks"))
+        self._rendered = dirty
+        self.renders += 1
+        sent = 0
+        w = self._widgets
+        if "head" in dirty:
+            elapsed_s = time.monotonic() - self._started_clock
+            sent += self._set(w["head"], render.head_html(model, elapsed_s))
+        if "ranks" in dirty:
+            sent += self._set(w["ranks"], render.ranks_html(model))
+        if "panel" in dirty:
+            sent += self._show(w["panel"], render.panel_html(model))
+        if "progress" in dirty:
+            sent += self._show(w["progress"], render.progress_html(model))
+        if "charts" in dirty:
+            sent += self._show(w["charts"], render.charts_html(model))
+        if "logs" in dirty:
+            sent += self._set(self._logs[0], render.log_html(model, None, self.max_line_chars))
+        for rank, log in enumerate(self._logs[1:]):
+            if rank in dirty:
+                sent += self._set(log, render.log_html(model, rank, self.max_line_chars))
+        self.messages_sent += sent
+        return sent
+
+    def _set(self, widget: Any, value: str) -> int:
+        if self._shown.get(id(widget)) == value:
+            return 0
+        self._shown[id(widget)] = value
+        widget.value = value
+        return 1
+
+    def _show(self, widget: Any, value: str) -> int:
+        sent = self._set(widget, value)
+        # Swap the shared layout rather than change it: other widgets and views use it too.
+        layout = _shared_models()["plain" if value else "hidden"]
+        if widget.layout is not layout:
+            widget.layout = layout
+            sent += 1
+        return sent
+
+
+def _display(obj: Any, **kwargs: Any) -> None:
+    from IPython.display import display
+
+    display(obj, **kwargs)
