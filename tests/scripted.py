@@ -25,7 +25,7 @@ import cloudpickle
 
 from nblaunch.engine.clock import Clock
 from nblaunch.engine.supervisor import RankProcess
-from nblaunch.ranks.worker import failure_event
+from nblaunch.ranks.failure import failure_event
 
 
 class ScriptedClock(Clock):

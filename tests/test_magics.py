@@ -18,7 +18,7 @@ from conftest import rank_children
 from IPython.core.error import UsageError
 from IPython.testing.globalipapp import get_ipython
 
-from nblaunch.notebook import magics
+from nblaunch.notebook import dist_commands
 from nblaunch.notebook.cell import build_cell_task, names_read
 from nblaunch.ranks.cell import CellTask, to_notebook
 
@@ -299,8 +299,10 @@ def test_dist_env_prints_the_report_then_the_hostfile_check(ip, capsys, tmp_path
 
 def test_dist_commands_come_from_the_registry(ip, capsys):
     calls = []
-    magics.register_dist_command("echo", lambda rest: calls.append(rest) or rest.upper(), "echo")
-    magics.register_dist_command("later", "os.path:basename", "resolved when first run")
+    dist_commands.register_dist_command(
+        "echo", lambda rest: calls.append(rest) or rest.upper(), "echo"
+    )
+    dist_commands.register_dist_command("later", "os.path:basename", "resolved when first run")
     try:
         assert ip.run_line_magic("dist", "echo a  b") == "A  B"
         assert calls == ["a  b"]
@@ -311,9 +313,9 @@ def test_dist_commands_come_from_the_registry(ip, capsys):
         with pytest.raises(UsageError, match="no such command"):
             ip.run_line_magic("dist", "nonsense")
     finally:
-        magics.unregister_dist_command("echo")
-        magics.unregister_dist_command("later")
-    assert "echo" not in magics.dist_commands()
+        dist_commands.unregister_dist_command("echo")
+        dist_commands.unregister_dist_command("later")
+    assert "echo" not in dist_commands.dist_commands()
 
 
 def test_reload_and_unload(ip):

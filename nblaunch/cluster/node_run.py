@@ -29,7 +29,7 @@ from nblaunch.cluster.channel import (
 from nblaunch.cluster.plan import MultiNodePlan
 from nblaunch.cluster.trust import RunSecret
 from nblaunch.engine.relay import Relay
-from nblaunch.engine.run import STOP_GRACE_S
+from nblaunch.engine.shutdown import STOP_GRACE_S
 from nblaunch.engine.supervisor import Supervisor, signal_pid
 from nblaunch.errors import AuthenticationError
 from nblaunch.events import STOP, task_message

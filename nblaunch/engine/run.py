@@ -15,22 +15,17 @@ import dataclasses
 import time
 from typing import Any
 
-from nblaunch.engine import verdict
+from nblaunch.engine import shutdown, verdict
 from nblaunch.engine.backend import BackendFactory, ProcessBackend
 from nblaunch.engine.clock import REAL_CLOCK, Clock, Pauses
 from nblaunch.engine.features import parent_monitors
 from nblaunch.engine.monitor import Monitor
 from nblaunch.engine.plan import LaunchPlan, choose_port
 from nblaunch.engine.relay import Relay
+from nblaunch.engine.shutdown import STOP_GRACE_S
 from nblaunch.engine.verdict import Cause, Outcome, RootCause
 from nblaunch.errors import LaunchError
 from nblaunch.events import STOP, Event, EventSink, NullView, RunState, task_message
-
-# After a root cause, how long the other ranks get to stop before SIGKILL.
-STOP_GRACE_S = 2.0
-# How long the other ranks get to stop once a root cause (a failure, a death, a hang) is known.
-KNOWN_CAUSE_GRACE_S = 0.5
-
 
 # --- running -------------------------------------------------------------------------------------
 
@@ -171,7 +166,7 @@ class Run:
         pipes or exited (at most ``limit_s``); those still exiting are left to finish alone."""
         for rank in self.backend.ranks:
             self.backend.send(rank, {"kind": STOP})
-        self._relay_until_hung_up(timeout=limit_s)
+        shutdown.relay_until_hung_up(self, limit_s)
 
     def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
         """Send one task to ``ranks`` (default: all); the run then waits for those ranks only."""
@@ -334,69 +329,11 @@ class Run:
 
     def stop_on_interrupt(self) -> None:
         """The notebook was interrupted: SIGINT every rank, then escalate; within ~5 s in all."""
-        try:
-            self.backend.interrupt()
-            deadline = self.now() + 1.5
-            while self.backend.alive() and self.now() < deadline:
-                if self.relay is not None:
-                    self.relay.poll(0.05)
-                self.backend.reap()
-                if all(r.rank in self.outcome.finished or r.ended for r in self.backend.ranks):
-                    break
-        except KeyboardInterrupt:
-            pass  # a second interrupt: go straight on to stopping
-        for rank in range(self.plan.world_size):
-            if self.states.get(rank) not in (RunState.DONE, RunState.FAILED):
-                self.set_state(rank, RunState.STOPPED, "interrupted")
+        shutdown.stop_on_interrupt(self)
 
     def finish(self) -> None:
         """Stop every rank (asking nicely first when the run went well) and close everything."""
-        backend = self.backend
-        ok = len(self.outcome.results) == self.plan.world_size
-        try:
-            if ok:
-                # The watch loop ends at the last Result; that rank's Finished may not be read yet.
-                for rank in sorted(self.outcome.results):
-                    self.set_state(rank, RunState.DONE)
-                self.hang_up(limit_s=5.0)
-            else:
-                reason = verdict.stop_reason(self.outcome.root, self.plan.timeout)
-                for rank in range(self.plan.world_size):
-                    if rank not in self.outcome.finished and self.states.get(rank) in (
-                        RunState.STARTING,
-                        RunState.RUNNING,
-                        RunState.STALLED,
-                    ):
-                        self.set_state(rank, RunState.STOPPED, reason)
-            root = self.outcome.root
-            if root is not None and root.cause in (Cause.FAILURE, Cause.DEATH, Cause.HANG):
-                # The cause is known and the others are most likely blocked in a collective
-                # they cannot finish: they get half a second, and being killed is no news.
-                backend.stop(grace=KNOWN_CAUSE_GRACE_S, quiet=True)
-            else:
-                backend.stop(grace=STOP_GRACE_S)
-        except KeyboardInterrupt:
-            backend.stop(grace=0.0)
-            raise
-        finally:
-            if self.relay is not None:
-                self.relay.drain_output(timeout=1.0)
-                self.publish(self.run_ended(ok))
-                self.relay.close()
-            backend.close()
-            self.view.close()
-
-    def _relay_until_hung_up(self, timeout: float) -> None:
-        """Keep reading output while the stopped ranks shut down, until each has closed its
-        pipes (its last words) or exited; those still exiting are left to exit on their own."""
-        assert self.relay is not None
-        deadline = self.now() + timeout
-        while self.now() < deadline:
-            self.backend.reap()
-            if all(self.relay.hung_up(rank.rank) for rank in self.backend.alive()):
-                break
-            self.relay.poll(0.01)
-        self.backend.let_go([r for r in self.backend.alive() if self.relay.hung_up(r.rank)])
+        shutdown.finish(self)
 
     def run_ended(self, ok: bool) -> Event:
         """The run's last event: how it went, and each task rank's outcome in a few words."""

@@ -26,7 +26,7 @@ from nblaunch.engine.plan import (  # noqa: F401  (kept importable from here)
     plan_launch,
     serialize_payload,
 )
-from nblaunch.engine.run import STOP_GRACE_S, Run  # noqa: F401  (kept importable from here)
+from nblaunch.engine.run import Run
 from nblaunch.errors import LaunchError
 from nblaunch.notebook.pool import refuse_if_running
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions

@@ -10,17 +10,12 @@
 ``pool.run_cell(task, ranks=SPEC_OR_NONE, timeout=..., hang_timeout=...)``, which returns one
 value per rank of the pool (``None`` where the cell did not run) and sets ``task.main_rank``.
 
-``%dist`` is one dispatcher; other modules add sub-commands with :func:`register_dist_command`,
-at import time. The modules in :data:`DIST_FEATURES` are imported (if present) the first time
-``%dist`` runs, so their commands are there without slowing ``%load_ext``.
+``%dist`` is one dispatcher over the sub-commands of :mod:`nblaunch.notebook.dist_commands`.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from IPython.core import magic_arguments
@@ -28,67 +23,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nblaunch.errors import LaunchError
+from nblaunch.notebook.dist_commands import dist_commands, overview
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LOG_LEVELS, START_METHODS, START_NODES
-from nblaunch.ranks.worker import import_features
 
 if TYPE_CHECKING:
     from nblaunch.ranks.cell import CellTask
-
-# Modules that register %dist sub-commands when imported.
-DIST_FEATURES = ("nblaunch.notebook.pool", "nblaunch.engine.doctor")
-
-
-@dataclass(frozen=True)
-class DistCommand:
-    """A ``%dist`` sub-command: ``function(line)`` gets the rest of the line after its name.
-
-    ``function`` may be a callable or a ``"module:attribute"`` string, imported when the
-    command first runs.
-    """
-
-    name: str
-    function: Callable[[str], Any] | str
-    help: str
-
-    def resolve(self) -> Callable[[str], Any]:
-        if callable(self.function):
-            return self.function
-        module, _, attribute = self.function.partition(":")
-        return getattr(importlib.import_module(module), attribute)
-
-
-_commands: dict[str, DistCommand] = {}
-
-
-def register_dist_command(name: str, function: Callable[[str], Any] | str, help: str) -> None:
-    """Add (or replace) the sub-command ``%dist NAME``.
-
-    Parameters
-    ----------
-    name
-        One word, e.g. ``"start"``.
-    function
-        Called with the rest of the line (a string) when a person runs ``%dist NAME ...``;
-        what it returns is displayed like a line magic's result. A ``"module:attribute"``
-        string is imported when the command first runs. Raise ``UsageError`` for bad input.
-    help
-        One line for the ``%dist`` overview.
-    """
-    if not name.isidentifier():
-        raise ValueError(f"a %dist command is one word, got {name!r}")
-    _commands[name] = DistCommand(name, function, help)
-
-
-def unregister_dist_command(name: str) -> None:
-    """Remove ``%dist NAME`` (nothing happens when it does not exist)."""
-    _commands.pop(name, None)
-
-
-def dist_commands() -> dict[str, DistCommand]:
-    """The ``%dist`` sub-commands, by name (after importing the modules that add them)."""
-    import_features(DIST_FEATURES)
-    return dict(sorted(_commands.items()))
-
 
 # --- the magics ----------------------------------------------------------------------------------
 
@@ -448,77 +387,6 @@ def _current_pool() -> Any:
     pool_module = sys.modules.get("nblaunch.notebook.pool")
     current = getattr(pool_module, "current_pool", None)
     return current() if current is not None else None
-
-
-def overview() -> str:
-    """What ``%dist`` prints: the magics and every sub-command."""
-    lines = [
-        "nblaunch magics:",
-        "  %%distributed [-n N] [--debug] [-o NAMES] ...   run the cell on every rank "
-        "(%%distributed? for options)",
-        "  %dist COMMAND ...                               the commands below",
-    ]
-    commands = dist_commands()
-    if commands:
-        width = max(len(name) for name in commands)
-        lines.append("")
-        lines.append("%dist commands:")
-        lines += [f"  %dist {c.name:<{width}}  {c.help}" for c in commands.values()]
-    return "\n".join(lines)
-
-
-def _dist_env(line: str) -> None:
-    """``%dist env [HOSTFILE]``: the environment report (and a check of the hosts in HOSTFILE)."""
-    try:
-        from nblaunch.engine import doctor
-    except ModuleNotFoundError as exc:
-        if exc.name != "nblaunch.engine.doctor":
-            raise
-        raise UsageError(
-            "%dist env: the environment report (nblaunch.engine.doctor) is not available"
-        ) from None
-    print(doctor.report(), end="")
-    hostfile = line.strip()
-    if hostfile:
-        from nblaunch.cluster.hosts import check_hosts
-
-        print("\n" + check_hosts(hostfile).text(), end="")
-
-
-register_dist_command(
-    "env",
-    _dist_env,
-    "[HOSTFILE]  torch, devices, backends and start methods; what to fix first",
-)
-# The persistent pool's commands (nblaunch.notebook.pool_commands), imported when first used:
-# the pool itself is imported by `import nblaunch`, before this module.
-register_dist_command(
-    "start",
-    "nblaunch.notebook.pool_commands:dist_start",
-    "-n N [--debug] [--start-method M] [--nodes N ...]  ranks that keep their state across cells",
-)
-register_dist_command(
-    "status", "nblaunch.notebook.pool_commands:dist_status", "the pool's ranks, pids, memory"
-)
-register_dist_command(
-    "restart", "nblaunch.notebook.pool_commands:dist_restart", "fresh ranks, same options"
-)
-register_dist_command("stop", "nblaunch.notebook.pool_commands:dist_stop", "stop the pool's ranks")
-register_dist_command(
-    "debug",
-    "nblaunch.notebook.pool_commands:dist_debug",
-    "[--rank R]  post-mortem of the last failed cell",
-)
-register_dist_command(
-    "pull",
-    "nblaunch.notebook.pool_commands:dist_pull",
-    "NAME [--rank R]  a rank's variable, copied to the notebook",
-)
-register_dist_command(
-    "push",
-    "nblaunch.notebook.pool_commands:dist_push",
-    "NAME [--ranks R]  a notebook variable, sent to the ranks",
-)
 
 
 # --- the extension -------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """The ``%dist`` commands of the persistent pool: start, stop, restart, status, debug, pull,
-push (registered with :func:`nblaunch.notebook.magics.register_dist_command`; imported when
-first used).
+push (registered in :mod:`nblaunch.notebook.dist_commands`; imported when first used).
 
 Each parses its line, drives :class:`nblaunch.notebook.pool.Pool`, and turns a ``LaunchError`` into
 IPython's one-line ``UsageError``.

@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import sys
+import threading
 import time
 
 import psutil
@@ -140,3 +142,39 @@ def _reap(process: psutil.Process) -> None:
     never ``waitpid(-1)``, which would steal other code's children."""
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitpid(process.pid, os.WNOHANG)
+
+
+def watch_launcher(launcher_pid: int) -> None:
+    """Exit this rank when the launching process dies, whatever killed it.
+
+    The rank's parent may be a forkserver, not the launcher, so parent-death signals do not
+    help; a pidfd becomes readable when the launcher exits.
+    """
+
+    def watch() -> None:
+        try:
+            pidfd = os.pidfd_open(launcher_pid)
+        except ProcessLookupError:
+            _leave()
+        except (AttributeError, OSError):
+            while _pid_alive(launcher_pid):  # no pidfd (old kernel): poll
+                time.sleep(0.5)
+            _leave()
+        select.select([pidfd], [], [])
+        _leave()
+
+    def _leave() -> None:
+        end_descendants(grace=0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nblaunch-launcher-watch", daemon=True).start()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

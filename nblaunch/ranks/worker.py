@@ -17,20 +17,17 @@ import contextlib
 import dataclasses
 import io
 import os
-import select
 import signal
 import socket
 import sys
 import threading
-import time
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nblaunch.errors import safe_str
-from nblaunch.events import SETUP, STOP, Event, Failure
+from nblaunch.events import SETUP, STOP, Event
 from nblaunch.ranks import containment
+from nblaunch.ranks.failure import failure_event
 
 # After a rank hung up, how long its exit may wait for threads the user's code left running.
 EXIT_AFTER_HANG_UP_S = 1.0
@@ -162,7 +159,7 @@ def main(
     # The launcher sends SIGINT to interrupt a task: make it a KeyboardInterrupt here.
     signal.signal(signal.SIGINT, _on_sigint)
     _redirect_output(stdout_w, stderr_w)
-    _watch_launcher(launcher_pid)
+    containment.watch_launcher(launcher_pid)
     from nblaunch.ranks import semaphores
 
     semaphores.track(semaphore_dir)
@@ -237,42 +234,6 @@ def _line_buffered(fd: int) -> io.TextIOWrapper:
         errors="backslashreplace",
         line_buffering=True,
     )
-
-
-def _watch_launcher(launcher_pid: int) -> None:
-    """Exit this rank when the launching process dies, whatever killed it.
-
-    The rank's parent may be a forkserver, not the launcher, so parent-death signals do not
-    help; a pidfd becomes readable when the launcher exits.
-    """
-
-    def watch() -> None:
-        try:
-            pidfd = os.pidfd_open(launcher_pid)
-        except ProcessLookupError:
-            _leave()
-        except (AttributeError, OSError):
-            while _pid_alive(launcher_pid):  # no pidfd (old kernel): poll
-                time.sleep(0.5)
-            _leave()
-        select.select([pidfd], [], [])
-        _leave()
-
-    def _leave() -> None:
-        containment.end_descendants(grace=0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="nblaunch-launcher-watch", daemon=True).start()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _set_up(rank: int, setup: dict[str, Any]) -> bool:
@@ -448,42 +409,6 @@ def _run_task(message: dict[str, Any]) -> None:
     _flush_output()  # what the task printed, even a last line without "\n", comes first
     emit(outcome)
     emit({"kind": "finished", "rank": rank})
-
-
-def failure_event(rank: int, exc: BaseException) -> Failure:
-    """Describe ``exc`` for the parent: type, message, traceback text and the exception itself."""
-    exc_type = type(exc)
-    return {
-        "kind": "failure",
-        "rank": rank,
-        "exc_type": f"{exc_type.__module__}.{exc_type.__qualname__}",
-        "message": safe_str(exc),
-        "traceback": "".join(traceback.format_exception(exc_type, exc, exc.__traceback__)),
-        "exception_bytes": _pickle_exception(exc),
-        "where": _innermost_user_frame(exc),
-    }
-
-
-def _pickle_exception(exc: BaseException) -> bytes | None:
-    import cloudpickle
-    from tblib import pickling_support
-
-    try:
-        pickling_support.install(exc)
-        return cloudpickle.dumps(exc)
-    except Exception:
-        return None
-
-
-def _innermost_user_frame(exc: BaseException) -> str:
-    """The deepest traceback frame outside nblaunch, torch and the standard library."""
-    nblaunch_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    skip = (nblaunch_dir, os.path.dirname(os.__file__))
-    where = ""
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if not frame.filename.startswith(skip) and "/torch/" not in frame.filename:
-            where = f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return where
 
 
 def _tear_down() -> None:
