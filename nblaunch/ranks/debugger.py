@@ -5,9 +5,9 @@ notebook instead: when it waits for a command it sends what it printed and its p
 event pipe (a ``debug`` event), and reads the answer from its task pipe (``debug_input``). The
 launcher asks the person with ``input()``, so the prompt appears where ``input()`` in a cell
 would, labelled with the rank; under ``nblaunch run`` it is the terminal's. The notebook's side
-is :class:`DebugPrompts`, a monitor (:mod:`nblaunch.engine.features`): while a rank waits in the
-debugger its badge says DEBUGGING, the others' say they wait for it, and the run's clocks are
-paused (``Run.pause``): the hang watchdog does not judge and ``timeout=`` does not count.
+is a monitor (:mod:`nblaunch.engine.debug_prompts`): while a rank waits in the debugger its
+badge says DEBUGGING, the others' say they wait for it, and the run's clocks are paused: the
+hang watchdog does not judge and ``timeout=`` does not count.
 ``q`` raises ``bdb.BdbQuit`` in the rank: the run ends with every rank stopped and "rank N quit
 the debugger".
 

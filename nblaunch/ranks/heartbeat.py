@@ -1,26 +1,15 @@
-"""Heartbeats from the ranks, and hang and straggler diagnosis in the notebook.
+"""Heartbeats: each rank tells the notebook, once a second, where it is and what it waits in.
 
-Rank side
-    Every task runs with a daemon thread (:class:`HeartbeatThread`) that looks at the task's
-    thread about twenty times a second through ``sys._current_frames()``: which user line it is
-    on, and whether it sits inside a ``torch.distributed`` call (recognised from the stack alone,
-    nothing is patched). From those samples it adds up the time spent waiting in collectives, and
-    once a second it sends a ``Heartbeat``: where the rank is, the collective it is in, how many
-    collectives it has issued (the process group's sequence number), how long it has been still,
-    and a formatted stack of every thread.
+Every task runs with a daemon thread (:class:`HeartbeatThread`) that looks at the task's thread
+about twenty times a second through ``sys._current_frames()``: which user line it is on, and
+whether it sits inside a ``torch.distributed`` call (recognised from the stack alone, nothing is
+patched). From those samples it adds up the time spent waiting in collectives, and once a second
+it sends a ``Heartbeat``: where the rank is, the collective it is in, how many collectives it has
+issued (the process group's sequence number), how long it has been still, and a formatted stack
+of every thread.
 
-Parent side
-    :class:`HangMonitor` reads the heartbeats and stops a run that can never finish, with a
-    :class:`~nblaunch.errors.DistributedHangError` that names the rank and line:
-
-    * a rank returned while another waits in a collective it never called (ranks left a loop at
-      different steps): reported about a second after the rank returned;
-    * nothing moved on any rank for ``hang_timeout`` seconds while ranks wait in collectives:
-      every rank's position and stack, and the rank outside any collective that the others wait
-      for, if there is one.
-
-    Ranks that wait for a while are marked ``STALLED`` in the view first, and a rank that makes
-    the others wait (a straggler) is named in an info ``Diagnosis``, live and at the end.
+The notebook's side, which names hangs and stragglers from these, is
+:mod:`nblaunch.engine.hang`.
 """
 
 from __future__ import annotations

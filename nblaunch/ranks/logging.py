@@ -1,20 +1,15 @@
-"""Rank-aware logging: ``get_logger``, log records relayed from ranks, and in-order display.
-
-Three parts, one per side of the process boundary:
+"""Rank-aware logging in the ranks: ``get_logger``, and log records relayed to the notebook.
 
 - :func:`get_logger` returns a :class:`RankLogger`, a ``logging.LoggerAdapter`` whose methods take
   ``main_process_only=True`` (only rank 0 logs) and ``in_order=False`` (``True``: every rank logs
   and the view shows the records in rank order).
-- Inside ranks, a task hook puts a :class:`RankRelayHandler` on the root logger, so records of
-  every logger (nblaunch's and ordinary ``logging`` loggers of libraries) travel to the notebook
-  as ``Log`` events tagged with their rank and level, unless the user configured handlers that
-  already print them.
-- In the parent, :class:`InOrderLog` lines ``in_order`` records up by (per-rank sequence number,
-  rank). Ordering happens here, not with barriers in the ranks, so ranks that log different
-  numbers of records or at different levels never wait for each other. A group of records is
-  held until every rank has sent its record, finished, or gone past the next collective; only
-  code without collectives falls back on a timeout (``IN_ORDER_WAIT_S``), so ranks that start
-  logging seconds apart still come out in rank order.
+- A task hook puts a :class:`RankRelayHandler` on the root logger, so records of every logger
+  (nblaunch's and ordinary ``logging`` loggers of libraries) travel to the notebook as ``Log``
+  events tagged with their rank and level, unless the user configured handlers that already
+  print them.
+
+The notebook lines ``in_order`` records up (:mod:`nblaunch.engine.in_order`), never with a
+barrier in the ranks.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Training metrics from every rank: logged in the ranks, charted in the notebook, kept on disk.
+"""Training metrics from every rank: :func:`log_metrics`, one event to the notebook.
 
-- In a rank, :func:`log_metrics` sends ``{name: value}`` with the step, the rank and the time to
-  the notebook as one ``metrics`` event (one pipe write, no collective, no waiting on peers).
-- In the notebook, the relay appends every such event to ``<run dir>/metrics.jsonl`` (one JSON
-  line per rank, step and name), and the view draws one small chart per metric with one line per
-  rank (:func:`render_svg`). The same picture goes into the static summary, as SVG inside the
-  HTML, so a notebook saved without widget state (GitHub, nbviewer, VS Code) still shows it.
-- Later, :func:`load_metrics` reads a run's ``metrics.jsonl`` back as a table. When TensorBoard
-  is installed, the run directory also gets TensorBoard event files when the run ends.
-
-Charts are plain SVG made here: no chart library, no front-end extension, so they render the
-same in JupyterLab, Notebook 7 and VS Code, and in the saved file.
+:func:`log_metrics` sends ``{name: value}`` with the step, the rank and the time to the notebook
+as one ``metrics`` event (one pipe write, no collective, no waiting on peers). The notebook keeps
+every such event in ``<run dir>/metrics.jsonl`` (:mod:`nblaunch.engine.metrics_files`, which also
+reads it back with ``load_metrics``) and charts them (:mod:`nblaunch.notebook.charts`).
 """
 
 from __future__ import annotations
