@@ -1,7 +1,14 @@
-"""nblaunch: run distributed PyTorch from a Jupyter notebook, and see what every rank does."""
+"""nblaunch: run distributed PyTorch from a Jupyter notebook, and see what every rank does.
 
-from nblaunch.engine.metrics_files import load_metrics
-from nblaunch.engine.supervisor import warm_up_if_interactive
+The names a rank uses are imported here; the front ends (``notebook_launcher``, ``Pool``, ...)
+when first used, so a rank process, which imports this package too, never loads the notebook's.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
 from nblaunch.errors import (
     AuthenticationError,
     DistributedHangError,
@@ -13,8 +20,6 @@ from nblaunch.errors import (
     RankFailedError,
     RendezvousTimeoutError,
 )
-from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
-from nblaunch.notebook.pool import Pool, start_pool
 from nblaunch.ranks.batch_size import find_executable_batch_size
 from nblaunch.ranks.debugger import breakpoint
 from nblaunch.ranks.logging import get_logger
@@ -39,7 +44,36 @@ from nblaunch.ranks.worker import (
     world_size,
 )
 
+if TYPE_CHECKING:
+    from nblaunch.engine.metrics_files import load_metrics
+    from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
+    from nblaunch.notebook.pool import Pool, start_pool
+
 __version__ = "0.1.0"
+
+# The notebook's names, imported when first used: name -> module.
+_FRONT_ENDS = {
+    "notebook_launcher": "nblaunch.notebook.launcher",
+    "debug_launcher": "nblaunch.notebook.launcher",
+    "Pool": "nblaunch.notebook.pool",
+    "start_pool": "nblaunch.notebook.pool",
+    "load_metrics": "nblaunch.engine.metrics_files",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _FRONT_ENDS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nblaunch' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_FRONT_ENDS})
 
 __all__ = [
     "AuthenticationError",
@@ -81,19 +115,28 @@ __all__ = [
 ]
 
 
-def load_ipython_extension(ipython):
+def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nblaunch``: register the ``%%distributed`` and ``%dist`` magics."""
+    from nblaunch.engine.supervisor import warm_up_if_interactive
     from nblaunch.notebook.magics import register
 
     register(ipython)
     warm_up_if_interactive()
 
 
-def unload_ipython_extension(ipython):
+def unload_ipython_extension(ipython: Any) -> None:
     from nblaunch.notebook.magics import unregister
 
     unregister(ipython)
 
 
-# In a notebook, the first launch should not wait for the ranks' forkserver to import torch.
-warm_up_if_interactive()
+# In a notebook, the first launch should not wait for the ranks' forkserver to import torch, and
+# the front ends are wanted anyway. Ranks, scripts and torchrun import only what they use.
+if "IPython" in sys.modules:
+    from nblaunch.engine.supervisor import warm_up_if_interactive
+    from nblaunch.notebook import launcher as _launcher
+    from nblaunch.notebook import pool as _pool
+
+    notebook_launcher, debug_launcher = _launcher.notebook_launcher, _launcher.debug_launcher
+    Pool, start_pool = _pool.Pool, _pool.start_pool
+    warm_up_if_interactive()

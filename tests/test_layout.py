@@ -33,6 +33,10 @@ MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 350
 
 
+# Public import paths outside the packages: they may import anything.
+ENTRY_POINTS = {"nblaunch", "nblaunch.__main__", "nblaunch.cli", "nblaunch.integrations"}
+
+
 def part_of(module: str) -> str | None:
     """``nblaunch.engine.run`` -> ``engine``; the shared modules -> ``shared``; else None."""
     parts = module.split(".")
@@ -84,8 +88,7 @@ def modules() -> list[tuple[str, pathlib.Path]]:
 
 
 def test_every_module_is_in_a_package_by_process_or_shared_or_an_entry_point():
-    entry_points = {"nblaunch", "nblaunch.__main__", "nblaunch.cli"}
-    loose = [name for name, _ in modules() if part_of(name) is None and name not in entry_points]
+    loose = [name for name, _ in modules() if part_of(name) is None and name not in ENTRY_POINTS]
     assert loose == []
 
 
@@ -134,4 +137,79 @@ def test_the_rules_catch_what_they_are_for():
     assert broken_rules("nblaunch.cluster.bad", "from nblaunch.notebook.widgets import x\n") == [
         "1: nblaunch.notebook.widgets.x",
         "1: nblaunch.notebook.widgets",
+    ]
+
+
+# The public surface: moving modules into packages must not change it.
+PUBLIC = [
+    "AuthenticationError",
+    "DistributedHangError",
+    "DistributedOperationException",
+    "LaunchError",
+    "LaunchTimeoutError",
+    "NblaunchError",
+    "NoExecutableBatchSizeError",
+    "Pool",
+    "RankFailedError",
+    "RendezvousTimeoutError",
+    "all_reduce",
+    "breakpoint",
+    "broadcast",
+    "broadcast_object_list",
+    "check_trigger",
+    "debug_launcher",
+    "device",
+    "find_executable_batch_size",
+    "free_memory",
+    "gather",
+    "gather_object",
+    "get_logger",
+    "is_main_process",
+    "load_metrics",
+    "local_rank",
+    "log_metrics",
+    "notebook_launcher",
+    "pad_across_processes",
+    "per_device_batch_size",
+    "rank",
+    "reduce",
+    "set_seed",
+    "set_trigger",
+    "start_pool",
+    "wait_for_everyone",
+    "world_size",
+]
+
+
+def test_the_public_names_are_exactly_those_of_before_the_move():
+    assert sorted(nblaunch.__all__) == PUBLIC
+    assert all(getattr(nblaunch, name) is not None for name in PUBLIC)
+    assert callable(nblaunch.rank) and nblaunch.rank() == 0  # the function, not the package
+
+
+def test_what_travels_pickled_by_reference_resolves_in_a_fresh_process():
+    # A cell task and the pool's rank-side tasks are pickled by reference: their module must be
+    # importable by name in a rank, and must not be the notebook's.
+    import pickle
+    import subprocess
+    import sys
+
+    from nblaunch.ranks import namespace
+    from nblaunch.ranks.cell import CellTask
+
+    payload = pickle.dumps((CellTask, namespace.pull_value, namespace.run_cell))
+    code = (
+        "import pickle, sys; found = pickle.loads(sys.stdin.buffer.read()); "
+        "print(*[f'{f.__module__}.{f.__qualname__}' for f in found]); "
+        "print(sorted({m.split('.')[1] for m in sys.modules if m.count('.') > 1 "
+        "and m.startswith('nblaunch.')}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=payload, capture_output=True, check=True, timeout=60
+    ).stdout.decode()
+    assert out.split() == [
+        "nblaunch.ranks.cell.CellTask",
+        "nblaunch.ranks.namespace.pull_value",
+        "nblaunch.ranks.namespace.run_cell",
+        "['ranks']",  # a rank loads no engine, cluster or notebook module
     ]

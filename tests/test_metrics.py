@@ -172,7 +172,7 @@ def test_each_ranks_throughput_is_charted_from_its_steps_and_times():
 def log_with_accelerate():
     from accelerate import Accelerator
 
-    from nblaunch.ranks.integrations import AccelerateMetrics
+    from nblaunch.integrations import AccelerateMetrics
 
     accelerator = Accelerator(cpu=True, log_with=[AccelerateMetrics()])
     accelerator.init_trackers("run")

@@ -140,7 +140,7 @@ def transformers_trainer(
     )
     callbacks = []
     if metrics:
-        from nblaunch.ranks.integrations import TrainerMetrics
+        from nblaunch.integrations import TrainerMetrics
 
         callbacks.append(TrainerMetrics())
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 16), callbacks=callbacks)
@@ -217,7 +217,7 @@ def lightning_trainer(steps: int = 6, seed: int = 0, metrics: bool = False) -> d
 
 
 def _lightning_logger() -> Any:
-    from nblaunch.ranks.integrations import LightningMetrics
+    from nblaunch.integrations import LightningMetrics
 
     return LightningMetrics()
 
