@@ -50,8 +50,9 @@ from typing import Any
 from nblaunch.cluster.node_start import NodeStarter, start_joins
 from nblaunch.cluster.trust import SECRET_ENV, RunSecret, SigningStore, remove_secret_file
 from nblaunch.engine.plan import LaunchPlan, detect_devices, plan_launch, serialize_payload
-from nblaunch.engine.relay import Relay, open_private
+from nblaunch.engine.relay import Relay
 from nblaunch.engine.run import Run
+from nblaunch.engine.run_files import open_private
 from nblaunch.engine.supervisor import warm_up
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import (
