@@ -75,6 +75,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_FRONT_ENDS})
 
+
 __all__ = [
     "AuthenticationError",
     "DistributedHangError",

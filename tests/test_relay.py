@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from nblaunch.engine.relay import MAX_LINE_BYTES, Relay
+from nblaunch.engine.lines import MAX_LINE_BYTES
+from nblaunch.engine.relay import Relay
 from nblaunch.engine.supervisor import RankProcess
 from nblaunch.notebook.views import RecordingView
 

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from nblaunch import DistributedHangError, notebook_launcher
-from nblaunch.engine import hang
-from nblaunch.engine.hang import HangMonitor, find_straggler
+from nblaunch.engine.hang import HangMonitor
+from nblaunch.engine.source_lines import cell_names
+from nblaunch.engine.stragglers import find_straggler
 from nblaunch.events import RunState
 from nblaunch.ranks.heartbeat import HeartbeatThread, read_position
 
@@ -161,7 +162,7 @@ def test_notebook_cell_files_are_shown_as_cells_with_their_source():
     number = shell.compile._filename_map[filename]
     # A rank's stack has no source line for a cell (it has no copy of the cell's text).
     text = f'  File "{filename}", line 2, in cell_function\nrank 0 at {filename}:2 in cell_function'
-    assert hang.cell_names(text) == (
+    assert cell_names(text) == (
         f'  File "Cell In[{number}]", line 2, in cell_function\n'
         "    return 42\n"
         f"rank 0 at Cell In[{number}]:2 in cell_function"

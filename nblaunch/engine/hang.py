@@ -11,20 +11,21 @@ names the rank and line:
   for, if there is one.
 
 Ranks that wait for a while are marked ``STALLED`` in the view first, and a rank that makes
-the others wait (a straggler) is named in an info ``Diagnosis``, live and at the end.
+the others wait (a straggler) is named in an info ``Diagnosis``, live and at the end
+(:mod:`nblaunch.engine.stragglers`).
 """
 
 from __future__ import annotations
 
-import re
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nblaunch.engine.monitor import RunContext
+from nblaunch.engine.source_lines import cell_names, with_source
+from nblaunch.engine.stragglers import StragglerWatch
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, RankFailedError
-from nblaunch.events import Heartbeat, RunState, diagnosis
+from nblaunch.events import Heartbeat, RunState
 from nblaunch.ranks import process_groups
 
 # Parent side: a rank returned while another waits in a collective. With sequence numbers the
@@ -36,11 +37,6 @@ FINISHED_GRACE_UNSURE_S = 2.0
 STALL_AFTER_S = 5.0
 # A rank without a heartbeat for this long is reported as silent.
 SILENT_AFTER_S = 5.0
-# Straggler: the others wait at least this share of the time more than the slowest rank, and
-# every rank has run at least this long.
-STRAGGLER_MIN_EXCESS = 0.2
-STRAGGLER_MIN_BUSY_S = 2.0
-STRAGGLER_CHECK_S = 2.0
 
 if TYPE_CHECKING:
     from nblaunch.engine.plan import LaunchPlan
@@ -86,21 +82,6 @@ class _Beat:
         return f"at {where} (outside any collective)"
 
 
-_WHERE = re.compile(r"^(.+):(\d+) in (.+)$")
-
-
-def with_source(where: str) -> str:
-    """``"train.py:9 in train"`` with the line's source added when the parent can read it
-    (a notebook cell's lines are in the kernel's line cache, a script's in its file)."""
-    import linecache
-
-    match = _WHERE.match(where)
-    if not match:
-        return where
-    source = linecache.getline(match.group(1), int(match.group(2))).strip()
-    return f"{where}: `{source}`" if source else where
-
-
 class HangMonitor:
     """Stops runs whose ranks wait in collectives that can never complete; names stragglers.
 
@@ -123,9 +104,7 @@ class HangMonitor:
         self.final_beat: dict[int, _Beat | None] = {}  # each returned rank's last heartbeat
         self.exited: set[int] = set()  # returned ranks whose task ended with sys.exit(0)
         self.stalled: set[int] = set()
-        self.straggler: tuple[int, float] | None = None
-        self._straggler_checked = 0.0
-        self._published_straggler: int | None = None
+        self.stragglers = StragglerWatch()
         self._done = False
         stall = STALL_AFTER_S
         if self.hang_timeout is not None:
@@ -156,8 +135,7 @@ class HangMonitor:
         now = run.now()
         self._mark_stalls(run, now)
         # A stalled rank is the stronger signal; a straggler report would only distract.
-        if not self.stalled and now - self._straggler_checked >= STRAGGLER_CHECK_S:
-            self._straggler_checked = now
+        if not self.stalled and self.stragglers.due(now):
             self._publish_straggler(run, final=False)
         root = self._returned_while_waiting(run, now) or self._no_progress(run, now)
         if root is not None:
@@ -407,101 +385,8 @@ class HangMonitor:
     # --- stragglers ------------------------------------------------------------------------------
 
     def _publish_straggler(self, run: RunContext, *, final: bool) -> None:
-        found = find_straggler(
-            {r: (b.event["wait_s"], b.event["busy_s"]) for r, b in self.beats.items()}
-        )
-        self.straggler = found
-        if found is None:
-            return
-        rank, excess = found
-        if not final and rank == self._published_straggler:
-            return
-        self._published_straggler = rank
-        verb = "was" if final else "is"
-        title = f"rank {rank} {verb} the slowest: the others wait {excess:.0%} of the time for it"
-        shares = "\n".join(
-            f"  rank {r}: waiting in collectives {b.event['wait_s']:.1f} s of "
-            f"{b.event['busy_s']:.1f} s ({_share(b.event['wait_s'], b.event['busy_s']):.0%})"
-            for r, b in sorted(self.beats.items())
-        )
-        body = (
-            f"{shares}\nRank {rank} computes while the others wait for it in collectives: "
-            "a slower device, more data on that rank, or work only that rank does."
-        )
-        run.publish(diagnosis(title, body, "info", rank))
-
-
-def find_straggler(stats: dict[int, tuple[float, float]]) -> tuple[int, float] | None:
-    """The rank the others wait for, and how much more of their time they wait than it does.
-
-    Parameters
-    ----------
-    stats
-        Rank -> (seconds waiting inside collectives, seconds of the task so far).
-
-    Returns
-    -------
-    tuple or None
-        ``(rank, excess)`` where ``excess`` is the others' mean waiting share minus the
-        slowest rank's; ``None`` with fewer than two ranks, too little time, or no clear
-        straggler.
-    """
-    if len(stats) < 2 or any(busy < STRAGGLER_MIN_BUSY_S for _, busy in stats.values()):
-        return None
-    shares = {rank: _share(wait, busy) for rank, (wait, busy) in stats.items()}
-    slowest = min(shares, key=shares.get)  # type: ignore[arg-type]
-    others = [share for rank, share in shares.items() if rank != slowest]
-    excess = sum(others) / len(others) - shares[slowest]
-    if excess < STRAGGLER_MIN_EXCESS:
-        return None
-    return slowest, excess
-
-
-def cell_names(text: str) -> str:
-    """Show the notebook's cell files as IPython does ("Cell In[5]") instead of their temp paths.
-
-    Functions defined in a notebook cell carry a file name like ``/tmp/ipykernel_1/123.py``;
-    the kernel running this launch knows which cell each such file holds.
-    """
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    names = getattr(getattr(shell, "compile", None), "_filename_map", None)
-    if not names:
-        return text
-    shown = [name for name in names if isinstance(name, str) and name in text]
-    if shown:
-        text = _add_cell_source(text, set(shown))
-    for filename in shown:
-        text = text.replace(filename, f"Cell In[{names[filename]}]")
-    return text
-
-
-_FILE_LINE = re.compile(r'^(\s*)File "(.+)", line (\d+), in ')
-
-
-def _add_cell_source(stack: str, cells: set[str]) -> str:
-    """Put the source line under each frame of a notebook cell: the rank had no copy of the
-    cell's text, the kernel's line cache has it."""
-    import linecache
-
-    lines = stack.split("\n")
-    out = []
-    for index, line in enumerate(lines):
-        out.append(line)
-        match = _FILE_LINE.match(line)
-        if not match or match.group(2) not in cells:
-            continue
-        following = lines[index + 1] if index + 1 < len(lines) else ""
-        if following.startswith(match.group(1) + "  ") and not _FILE_LINE.match(following):
-            continue  # the source line is already there
-        source = linecache.getline(match.group(2), int(match.group(3))).strip()
-        if source:
-            out.append(f"{match.group(1)}  {source}")
-    return "\n".join(out)
-
-
-def _share(wait: float, busy: float) -> float:
-    return min(1.0, wait / busy) if busy > 0 else 0.0
+        beats = {rank: beat.event for rank, beat in self.beats.items()}
+        self.stragglers.publish(run, beats, final=final)
 
 
 def _ranks(ranks: list[int]) -> str:
