@@ -14,7 +14,10 @@ A file's folder says which process it runs in (docs/design.md, "Packages by proc
 from __future__ import annotations
 
 import ast
+import graphlib
 import pathlib
+
+import pytest
 
 import nblaunch
 
@@ -101,6 +104,30 @@ def test_imports_follow_the_packages_by_process():
     assert broken == []
 
 
+def module_level_imports(name: str, source: str, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports when it is imported (imports in
+    functions and under ``TYPE_CHECKING`` wait, so they cannot make a circle)."""
+    found = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for statement in node.body if isinstance(node, ast.If) else [node]:
+            if isinstance(statement, (ast.Import, ast.ImportFrom)):
+                found.update(imported for _, imported in imports_of(name, ast.unparse(statement)))
+    return {module for module in found if module in known and module != name}
+
+
+def test_no_import_circle():
+    # A package's __init__ runs before any of its modules: it is not a step in a circle.
+    known = {name for name, path in modules() if path.name != "__init__.py"}
+    graph = {
+        name: module_level_imports(name, path.read_text(), known)
+        for name, path in modules()
+        if name in known
+    }
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the circle
+
+
 def test_no_module_or_class_is_too_long_to_read():
     too_long = []
     for _, path in modules():
@@ -114,6 +141,18 @@ def test_no_module_or_class_is_too_long_to_read():
                     f"{where}: class {node.name}, {node.end_lineno - node.lineno} lines"
                 )
     assert too_long == []
+
+
+def test_a_circle_would_be_found():
+    graph = {"a": module_level_imports("a", "from b import x\n", {"b"}), "b": {"a"}}
+    assert graph["a"] == {"b"}
+    with pytest.raises(graphlib.CycleError):
+        graphlib.TopologicalSorter(graph).prepare()
+    later = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import b\n"
+        "def f():\n    import b\n"
+    )
+    assert module_level_imports("a", later, {"b"}) == set()
 
 
 def test_the_rules_catch_what_they_are_for():
