@@ -179,7 +179,7 @@ def test_srun_starts_a_pools_other_node_which_stays_across_restarts(nodes, stand
     assert pool.run(_remember) == [2, 2]
     calls = stand_ins.read_text()
     assert "--nodes=1" in calls and "--exclude=" in calls and "nblaunch join" in calls
-    starter = pool._starter
+    starter = pool.nodes.starter
     pool.restart()  # the node joins the new start: no second srun
     assert pool.run(_remember) == [1, 1]
     assert stand_ins.read_text().count("srun ") == 1
@@ -194,14 +194,14 @@ def _sleep() -> None:
 def test_a_pool_starts_a_lost_nodes_join_again_at_its_restart(nodes, stand_ins, tmp_path):
     pool = nodes.start_pool(start_nodes="ssh", hostfile=_hostfile(tmp_path, "alpha"))
     assert pool.run(_remember) == [1, 1]
-    lost = pool._starter.started[0].process
+    lost = pool.nodes.starter.started[0].process
     threading.Timer(1.0, lost.terminate).start()  # the node's join is stopped
     with pytest.raises(RankFailedError, match="node 1"):
         pool.run(_sleep)
     pool.restart()  # the pool starts alpha's join again: two nodes once more
     assert pool.run(_remember) == [1, 1]
     assert stand_ins.read_text().count("nblaunch join") == 2
-    new = pool._starter.started[0].process
+    new = pool.nodes.starter.started[0].process
     assert new.pid != lost.pid
     pool.close()
     assert new.poll() == 0

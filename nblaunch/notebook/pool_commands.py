@@ -75,7 +75,7 @@ def dist_start(line: str) -> None:
         pool = start_pool(options.pop("num_processes", None), display="auto", **options)
     except LaunchError as exc:
         raise _usage_error(exc) from None
-    nodes = f" on {pool.nodes.num_nodes} nodes" if pool.nodes else ""
+    nodes = f" on {pool.nodes.options.num_nodes} nodes" if pool.nodes else ""
     print(
         f"nblaunch pool: {pool.world_size} rank(s){nodes} ready in {pool.start_s:.1f} s "
         f"(pids {', '.join(map(str, pool.pids))}). %%distributed cells now run on it and keep "

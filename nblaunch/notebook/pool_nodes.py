@@ -27,7 +27,7 @@ class PoolNodes:
     def __init__(self, options: NodeOptions) -> None:
         self.options = options
         self._secret: Any = None
-        self._starter: Any = None
+        self.starter: Any = None  # the join commands this pool started (start_nodes)
 
     def plan(self, function: Any, num_processes: int | None, options: LaunchOptions) -> Any:
         """The plan of this node (node 0); later starts keep its run id."""
@@ -40,12 +40,12 @@ class PoolNodes:
         head = Head(plan, NullView(), secret=self._secret)
         self._secret = head.secret
         try:
-            if self.options.start_nodes and self._starter is None:
-                self._starter = head.start_joins(self.options.start_nodes, self.options.hostfile)
-            elif self._starter is not None:  # a lost node's join is started again
-                self._starter.renew(self.options.num_nodes - 1)
+            if self.options.start_nodes and self.starter is None:
+                self.starter = head.start_joins(self.options.start_nodes, self.options.hostfile)
+            elif self.starter is not None:  # a lost node's join is started again
+                self.starter.renew(self.options.num_nodes - 1)
             with signal_handlers_kept():
-                head.rendezvous(None, self.options.rdzv_timeout, self._starter)
+                head.rendezvous(None, self.options.rdzv_timeout, self.starter)
         except BaseException:
             head.close()
             self.end_joins()
@@ -54,6 +54,6 @@ class PoolNodes:
 
     def end_joins(self) -> None:
         """The join commands this pool started end with it (they are given a while)."""
-        if self._starter is not None:
-            self._starter.close()
-            self._starter = None
+        if self.starter is not None:
+            self.starter.close()
+            self.starter = None
