@@ -50,6 +50,33 @@ def env_off(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in FALSE_VALUES
 
 
+# Run directories kept under the default base: the newest finished ones (0 keeps every one).
+KEEP_RUNS = 50
+
+
+def keep_runs_from_env() -> int:
+    """``NBLAUNCH_KEEP_RUNS``: how many finished run directories to keep (default ``KEEP_RUNS``).
+
+    Raises
+    ------
+    LaunchError
+        The value is not a whole number of 0 or more, saying what it may be.
+    """
+    text = os.environ.get("NBLAUNCH_KEEP_RUNS", "").strip()
+    if not text:
+        return KEEP_RUNS
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise LaunchError(
+            f"NBLAUNCH_KEEP_RUNS={text!r}: set it to how many finished run directories to keep "
+            f"(a whole number; 0 keeps every one; unset: {KEEP_RUNS})"
+        )
+    return value
+
+
 def debug_from_env() -> bool:
     """Debug mode from ``NBLAUNCH_DEBUG`` (or Accelerate's ``ACCELERATE_DEBUG_MODE``)."""
     return env_flag("NBLAUNCH_DEBUG", "ACCELERATE_DEBUG_MODE")

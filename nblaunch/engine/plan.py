@@ -7,12 +7,9 @@ Anything wrong is a ``LaunchError`` here, naming the argument and the fix; nothi
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import multiprocessing
 import os
-import re
-import secrets
 import socket
 import sys
 import types
@@ -20,14 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nblaunch.engine.run_dirs import RunLease, new_run_dir
 from nblaunch.engine.supervisor import check_start_method
 from nblaunch.errors import LaunchError
 from nblaunch.events import SETUP, RunInfo, Setup
 from nblaunch.options import DEVICE_TYPES, FALSE_VALUES, LaunchOptions, debug_from_env
 from nblaunch.ranks import process_groups
 
-# Run directories kept under the default base (NBLAUNCH_KEEP_RUNS changes it; 0 keeps all).
-KEEP_RUNS = 50
 # More CPU ranks than this per core are refused unless NBLAUNCH_MAX_PROCESSES allows them.
 CPU_RANKS_PER_CORE = 4
 
@@ -54,6 +50,8 @@ class LaunchPlan:
     notes: list[str] = field(default_factory=list)
     # Extra settings for in-rank features, e.g. where a restarted batch-size search resumes.
     options: dict[str, Any] = field(default_factory=dict)
+    # The run's hold on run_dir while it lives, so that no pruning deletes it (run_dirs).
+    run_lease: RunLease | None = field(default=None, repr=False, compare=False)
 
     def rank_env(self, rank: int) -> dict[str, str]:
         """The parent's environment plus the torchrun contract for ``rank``."""
@@ -187,6 +185,7 @@ def plan_launch(
     notes = _cpu_library_notes(device_type, num_processes, warnings)
     port = choose_port(options.master_addr, options.master_port)
     backend = {"cuda": "nccl", "cpu": "gloo", "xla": "xla"}[device_type]
+    run_dir, run_lease = new_run_dir(options.run_dir)
     return LaunchPlan(
         world_size=num_processes,
         device_type=device_type,
@@ -201,7 +200,8 @@ def plan_launch(
         log_level=options.log_level
         or os.environ.get("NBLAUNCH_LOG_LEVEL")
         or os.environ.get("ACCELERATE_LOG_LEVEL"),
-        run_dir=_new_run_dir(options.run_dir),
+        run_dir=run_dir,
+        run_lease=run_lease,
         device_kind=device_kind,
         warnings=warnings,
         notes=notes,
@@ -337,60 +337,6 @@ def choose_port(master_addr: str, master_port: int | None) -> int:
                 "pass another port, or master_port=None to pick a free one"
             ) from None
         return probe.getsockname()[1]
-
-
-def _new_run_dir(run_dir: str | os.PathLike[str] | None) -> Path:
-    """Make the run's directory (rank logs) now, so a bad one fails before any rank starts.
-
-    Raises
-    ------
-    LaunchError
-        The directory cannot be made or written, naming it and how to choose another.
-    """
-    base = None
-    if run_dir is not None:
-        path, chosen_by = Path(run_dir), "run_dir="
-    else:
-        base = Path(os.environ.get("NBLAUNCH_RUN_DIR", ".nblaunch/runs"))
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = base / f"{stamp}-{secrets.token_hex(3)}"
-        chosen_by = "NBLAUNCH_RUN_DIR" if "NBLAUNCH_RUN_DIR" in os.environ else "the default"
-    try:
-        # Private: the logs hold whatever the ranks print, tokens included.
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        problem = None if os.access(path, os.W_OK) else "it is not writable"
-    except OSError as exc:
-        problem = f"{type(exc).__name__}: {exc.strerror or exc}"
-    if problem:
-        raise LaunchError(
-            f"cannot use {path} (from {chosen_by}) for the run's logs: {problem}. Pass "
-            "run_dir= a directory you can write to (or set NBLAUNCH_RUN_DIR)."
-        )
-    if base is not None:
-        _prune_runs(base, keep=path)
-    return path
-
-
-# A run directory nblaunch named itself: "20261203-084512-3fa9c1".
-_RUN_DIR_NAME = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
-
-
-def _prune_runs(base: Path, keep: Path) -> None:
-    """Remove the oldest of nblaunch's own run directories under ``base``, keeping the newest
-    ``NBLAUNCH_KEEP_RUNS`` (default ``KEEP_RUNS``; 0 keeps every one). Best effort."""
-    import shutil
-
-    try:
-        limit = int(os.environ.get("NBLAUNCH_KEEP_RUNS", KEEP_RUNS))
-        with os.scandir(base) as entries:  # no stat per entry: this runs at every launch
-            runs = sorted(e.path for e in entries if _RUN_DIR_NAME.match(e.name) and e.is_dir())
-    except (OSError, ValueError):
-        return
-    if limit <= 0:
-        return
-    for old in runs[: max(0, len(runs) - limit)]:  # names sort by time
-        if old != str(keep):
-            shutil.rmtree(old, ignore_errors=True)
 
 
 # --- the payload ---------------------------------------------------------------------------------

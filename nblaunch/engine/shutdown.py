@@ -76,6 +76,13 @@ def finish(run: Run) -> None:
             run.relay.close()
         backend.close()
         run.view.close()
+        release_run_dir(run)
+
+
+def release_run_dir(run: Run) -> None:
+    """The run wrote its last: its directory may be pruned from now on (``run_dirs``)."""
+    if run.plan.run_lease is not None:
+        run.plan.run_lease.release()
 
 
 def relay_until_hung_up(run: Run, timeout: float) -> None:

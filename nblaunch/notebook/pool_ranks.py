@@ -14,6 +14,7 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
+from nblaunch.engine import shutdown
 from nblaunch.engine.backend import BackendFactory
 from nblaunch.engine.clock import Clock
 from nblaunch.engine.plan import plan_launch
@@ -362,6 +363,7 @@ class PoolRanks:
             with contextlib.suppress(Exception):
                 if run.relay is not None:
                     run.relay.close()
+            shutdown.release_run_dir(run)
             with contextlib.suppress(Exception):
                 run.backend.close()
 
