@@ -40,41 +40,115 @@ TRUE_VALUES = ("1", "true", "yes", "on")
 FALSE_VALUES = ("0", "false", "no", "off", "n", "f")
 
 
-def env_flag(*names: str) -> bool:
-    """True when any of the environment variables is 1/true/yes/on (any case)."""
-    return any(os.environ.get(name, "").strip().lower() in TRUE_VALUES for name in names)
-
-
-def env_off(name: str) -> bool:
-    """True when the environment variable is set to 0/false/no/off (any case)."""
-    return os.environ.get(name, "").strip().lower() in FALSE_VALUES
-
-
-# Run directories kept under the default base: the newest finished ones (0 keeps every one).
-KEEP_RUNS = 50
-
-
-def keep_runs_from_env() -> int:
-    """``NBLAUNCH_KEEP_RUNS``: how many finished run directories to keep (default ``KEEP_RUNS``).
+def env_switch(name: str) -> bool | None:
+    """A yes/no environment switch: True, False, or None when it is unset or empty.
 
     Raises
     ------
     LaunchError
-        The value is not a whole number of 0 or more, saying what it may be.
+        Any other value, naming the variable and the values it takes.
     """
-    text = os.environ.get("NBLAUNCH_KEEP_RUNS", "").strip()
+    text = os.environ.get(name, "").strip().lower()
     if not text:
-        return KEEP_RUNS
+        return None
+    if text in TRUE_VALUES:
+        return True
+    if text in FALSE_VALUES:
+        return False
+    raise LaunchError(
+        f"{name}={os.environ[name]!r}: set it to 1, true, yes or on, or to 0, false, no or off "
+        "(or unset it)"
+    )
+
+
+def env_flag(*names: str) -> bool:
+    """True when any of the environment variables is 1/true/yes/on (any case)."""
+    return any(env_switch(name) for name in names)
+
+
+def env_off(name: str) -> bool:
+    """True when the environment variable is set to 0/false/no/off (any case)."""
+    return env_switch(name) is False
+
+
+def env_whole(name: str, default: int, minimum: int, meaning: str) -> int:
+    """A whole-number environment setting of at least ``minimum`` (``default`` when unset).
+
+    Raises
+    ------
+    LaunchError
+        Anything else, naming the variable, what it means and what it may be.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if value < 0:
+        value = minimum - 1
+    if value < minimum:
         raise LaunchError(
-            f"NBLAUNCH_KEEP_RUNS={text!r}: set it to how many finished run directories to keep "
-            f"(a whole number; 0 keeps every one; unset: {KEEP_RUNS})"
+            f"{name}={os.environ[name]!r}: set it to {meaning} (a whole number, at least "
+            f"{minimum}; unset: {default})"
         )
     return value
+
+
+# Run directories kept under the default base: the newest finished ones (0 keeps every one).
+KEEP_RUNS = 50
+# Lines a view keeps per rank (NBLAUNCH_VIEW_LINES); the rank logs keep everything.
+VIEW_LINES = 200
+
+
+def keep_runs_from_env() -> int:
+    """``NBLAUNCH_KEEP_RUNS``: how many finished run directories to keep (0 keeps every one)."""
+    return env_whole(
+        "NBLAUNCH_KEEP_RUNS", KEEP_RUNS, 0, "how many finished run directories to keep (0: all)"
+    )
+
+
+def log_level_from_env() -> str | None:
+    """The ranks' log level from ``NBLAUNCH_LOG_LEVEL`` (or Accelerate's ``ACCELERATE_LOG_LEVEL``).
+
+    Raises
+    ------
+    LaunchError
+        A level ``logging`` does not know, naming the variable and the levels.
+    """
+    for name in ("NBLAUNCH_LOG_LEVEL", "ACCELERATE_LOG_LEVEL"):
+        text = os.environ.get(name, "").strip()
+        if text:
+            if text.upper() not in LOG_LEVELS:
+                raise LaunchError(f"{name}={text!r}: set it to one of {', '.join(LOG_LEVELS)}")
+            return text
+    return None
+
+
+def view_lines_from_env() -> int:
+    """``NBLAUNCH_VIEW_LINES``: the lines a view keeps per rank."""
+    return env_whole("NBLAUNCH_VIEW_LINES", VIEW_LINES, 1, "how many lines a view keeps per rank")
+
+
+def check_environment() -> None:
+    """Check every ``NBLAUNCH_*`` setting a launch reads, so a bad value is named before
+    anything starts (those read later, in the view or between cells, are then known good).
+
+    Raises
+    ------
+    LaunchError
+        The first bad value, naming the variable and what it may be.
+    """
+    for name in ("NBLAUNCH_DEBUG", "ACCELERATE_DEBUG_MODE", "NBLAUNCH_SPARE_RANKS"):
+        env_switch(name)
+    env_switch("NBLAUNCH_PRESTART")
+    keep_runs_from_env()
+    log_level_from_env()
+    view_lines_from_env()
+    if "NBLAUNCH_RUN_DIR" in os.environ and not os.environ["NBLAUNCH_RUN_DIR"].strip():
+        raise LaunchError(
+            "NBLAUNCH_RUN_DIR is set but empty: set it to the directory run logs go under "
+            "(or unset it: .nblaunch/runs)"
+        )
 
 
 def debug_from_env() -> bool:

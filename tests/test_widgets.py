@@ -21,7 +21,6 @@ from nblaunch.notebook.views import (
     choose,
     choose_view,
     make_view,
-    model,
     render,
     summary,
     widget,
@@ -459,11 +458,12 @@ def test_without_the_kernel_hook_the_button_says_so(view):
 def test_visible_lines_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("NBLAUNCH_VIEW_LINES", "7")
     assert LaunchView().max_lines == 7
-    monkeypatch.setenv("NBLAUNCH_VIEW_LINES", "lots")
-    assert LaunchView().max_lines == model.DEFAULT_VIEW_LINES
     assert LaunchView(max_lines=3).max_lines == 3
     with pytest.raises(ValueError, match="must be positive"):
         LaunchView(max_rate=0)
+    monkeypatch.setenv("NBLAUNCH_VIEW_LINES", "lots")  # named, never taken silently
+    with pytest.raises(LaunchError, match="NBLAUNCH_VIEW_LINES='lots'"):
+        LaunchView()
 
 
 def test_an_interrupted_run_reads_stopped_and_logs_show_their_level(view, displayed):

@@ -21,7 +21,15 @@ from nblaunch.engine.run_dirs import RunLease, new_run_dir
 from nblaunch.engine.supervisor import check_start_method
 from nblaunch.errors import LaunchError
 from nblaunch.events import SETUP, RunInfo, Setup
-from nblaunch.options import DEVICE_TYPES, FALSE_VALUES, LaunchOptions, debug_from_env
+from nblaunch.options import (
+    DEVICE_TYPES,
+    FALSE_VALUES,
+    LaunchOptions,
+    check_environment,
+    debug_from_env,
+    env_whole,
+    log_level_from_env,
+)
 from nblaunch.ranks import process_groups
 
 # More CPU ranks than this per core are refused unless NBLAUNCH_MAX_PROCESSES allows them.
@@ -152,6 +160,7 @@ def plan_launch(
             f"function must be callable, got {type(function).__name__} {function!r:.80}"
         )
     options = options or LaunchOptions()
+    check_environment()
     check_start_method(options.start_method)
     warnings: list[str] = []
     device_type, device_count, device_kind = detect_devices(options.device_type)
@@ -197,9 +206,7 @@ def plan_launch(
         init_process_group=bool(options.setup_process_group),
         timeout=options.timeout,
         hang_timeout=options.hang_timeout,
-        log_level=options.log_level
-        or os.environ.get("NBLAUNCH_LOG_LEVEL")
-        or os.environ.get("ACCELERATE_LOG_LEVEL"),
+        log_level=options.log_level or log_level_from_env(),
         run_dir=run_dir,
         run_lease=run_lease,
         device_kind=device_kind,
@@ -215,14 +222,7 @@ def _check_cpu_ranks(num_processes: int, warnings: list[str]) -> None:
     ``NBLAUNCH_MAX_PROCESSES`` raises the limit. Warn when ranks will share cores."""
     cores = os.cpu_count() or 1
     limit = CPU_RANKS_PER_CORE * cores
-    raw = os.environ.get("NBLAUNCH_MAX_PROCESSES", "")
-    if raw.strip():
-        try:
-            limit = int(raw)
-        except ValueError:
-            raise LaunchError(
-                f"NBLAUNCH_MAX_PROCESSES={raw!r} is not a whole number of ranks"
-            ) from None
+    limit = env_whole("NBLAUNCH_MAX_PROCESSES", limit, 1, "how many CPU ranks may run at most")
     if num_processes > limit:
         raise LaunchError(
             f"num_processes={num_processes}: {num_processes} CPU ranks on {cores} cores is more "

@@ -76,13 +76,16 @@ def warm_up_if_interactive() -> None:
     not in a plain script (which launches at once anyway), and never when
     ``NBLAUNCH_PRESTART=0``. It touches no accelerator: the forkserver is a fresh process.
     """
-    if env_off("NBLAUNCH_PRESTART"):
-        return
     if "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         return
     ipython = sys.modules.get("IPython")
     if ipython is None or ipython.get_ipython() is None:
         return
+    try:
+        if env_off("NBLAUNCH_PRESTART"):
+            return
+    except LaunchError as exc:  # at import: say it, and start as if it were unset
+        warnings.warn(f"{exc}; the forkserver starts now as if it were unset", stacklevel=2)
     threading.Thread(target=warm_up, name="nblaunch-warm-up", daemon=True).start()
 
 

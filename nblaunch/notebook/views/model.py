@@ -17,9 +17,10 @@ from typing import Any
 from nblaunch.events import Event, RunState
 from nblaunch.notebook.charts import MetricSeries
 from nblaunch.notebook.views.ansi import plain
+from nblaunch.options import VIEW_LINES, view_lines_from_env
 
 # Lines kept per rank and in the "All ranks" log; NBLAUNCH_VIEW_LINES changes it.
-DEFAULT_VIEW_LINES = 200
+DEFAULT_VIEW_LINES = VIEW_LINES
 # Returned values up to this size (pickled) are kept, to be shown if of a plain type.
 SUMMARY_VALUE_BYTES = 4096
 
@@ -245,8 +246,5 @@ class RunModel:
 
 
 def env_lines() -> int:
-    """``NBLAUNCH_VIEW_LINES``, the lines a view keeps per rank (200 when unset or invalid)."""
-    try:
-        return max(1, int(os.environ.get("NBLAUNCH_VIEW_LINES", "")))
-    except ValueError:
-        return DEFAULT_VIEW_LINES
+    """``NBLAUNCH_VIEW_LINES``, the lines a view keeps per rank (checked at every launch)."""
+    return view_lines_from_env()
