@@ -50,6 +50,37 @@ def test_outside_a_rank_log_metrics_does_nothing():
     log_metrics({"loss": 1.0})  # no error, nothing sent
 
 
+def log_odd_values():
+    import warnings
+
+    import nblaunch
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(3):  # too large for a float: left out, said once
+            nblaunch.log_metrics({"big": 10**400, "loss": 0.5}, step=step)
+    errors = []
+    for call in (lambda: nblaunch.log_metrics("loss"), lambda: nblaunch.log_metrics({}, step="x")):
+        try:
+            call()
+        except TypeError as exc:
+            errors.append(str(exc))
+    return [str(w.message) for w in said], errors
+
+
+def test_values_that_do_not_fit_are_dropped_once_and_bad_arguments_named(tmp_path):
+    # Fault sweep case 9: 10**400 failed the run on every rank with OverflowError; step="x" and
+    # a string instead of a dict raised bare errors inside the rank.
+    (said, errors), _ = launch(log_odd_values, run_dir=tmp_path)
+    assert len(said) == 1 and "big = 1000000000000000" in said[0] and "once per name" in said[0]
+    assert errors[0].startswith("log_metrics(values): values must be a dict")
+    assert errors[1].startswith("log_metrics(step=...): step must be a whole number")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {row["name"] for row in rows} == {"loss"} and len(rows) == 6
+    with pytest.raises(TypeError, match="values must be a dict"):
+        log_metrics(["loss", 1.0])  # checked outside a rank too
+
+
 def test_charts_draw_a_line_per_rank_and_stay_bounded():
     events = [
         {"kind": "metrics", "rank": rank, "step": step, "values": {"loss": 1 / (step + 1)}}

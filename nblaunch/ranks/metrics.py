@@ -8,7 +8,9 @@ reads it back with ``load_metrics``) and charts them (:mod:`nblaunch.notebook.ch
 
 from __future__ import annotations
 
+import numbers
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +20,7 @@ from nblaunch.ranks import worker
 CUDA_PEAK = "cuda peak GiB"
 
 _steps: dict[int, int] = {}  # rank -> next automatic step, inside a rank
+_too_large: set[str] = set()  # metric names already said to be too large for a float
 
 
 def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
@@ -32,21 +35,36 @@ def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
         The training step; by default this rank's calls are counted 0, 1, 2, ...
 
     Outside an nblaunch rank (a plain script, under torchrun) it does nothing.
+
+    Raises
+    ------
+    TypeError
+        ``values`` is not a mapping of names to numbers, or ``step`` is not a whole number.
     """
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            f"log_metrics(values): values must be a dict of names to numbers, e.g. "
+            f"{{'loss': 0.31}}, got a {type(values).__name__}: {values!r:.60}"
+        )
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+        raise TypeError(
+            f"log_metrics(step=...): step must be a whole number (the training step), got a "
+            f"{type(step).__name__}: {step!r:.60}"
+        )
     context = worker.current()
     if context is None:
         return
-    numbers = {}
+    found = {}
     for name, value in values.items():
-        number = _number(value)
+        number = _number(str(name), value)
         if number is not None:
-            numbers[str(name)] = number
-    if not numbers:
+            found[str(name)] = number
+    if not found:
         return
     if context.device.type == "cuda":  # a leaking or heavier rank shows at a glance
         import torch
 
-        numbers[CUDA_PEAK] = torch.cuda.max_memory_allocated(context.device) / 2**30
+        found[CUDA_PEAK] = torch.cuda.max_memory_allocated(context.device) / 2**30
     if step is None:
         step = _steps.get(context.rank, 0)
     _steps[context.rank] = int(step) + 1
@@ -55,15 +73,28 @@ def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
             "kind": "metrics",
             "rank": context.rank,
             "step": int(step),
-            "values": numbers,
+            "values": found,
             "time": time.time(),
         }
     )
 
 
-def _number(value: Any) -> float | None:
+def _number(name: str, value: Any) -> float | None:
+    """``value`` as a float, or None to leave it out (not a number; too large for a float,
+    which is said once per name)."""
     if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        if name not in _too_large:
+            _too_large.add(name)
+            warnings.warn(
+                f"log_metrics: {name} = {str(value)[:20]}... does not fit a float; it is left "
+                "out of the charts and metrics.jsonl (said once per name)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
