@@ -170,6 +170,12 @@ def test_pool_post_mortem_and_variables_between_kernel_and_ranks(notebook):
         # A %dist command's UsageError is printed, as IPython prints a magic's usage errors.
         locked = notebook.run("import threading\nlk = threading.Lock()\n%dist push lk")
         assert "UsageError: lk (a _thread.lock) cannot be sent to the ranks" in locked["out"]
+        # ... and so is a rank's value that cannot come back (fault sweep case 11: TypeError).
+        notebook.run("%%distributed\nimport threading\nrank_lock = threading.Lock()")
+        pulled_lock = notebook.run("%dist pull rank_lock")
+        assert pulled_lock["error"] is None, pulled_lock
+        assert "UsageError: %dist pull: " in pulled_lock["out"]
+        assert "lock that cannot be pickled back to the notebook" in pulled_lock["out"]
         undefined = notebook.run("%dist push undefined_name")["out"]
         assert "UsageError: %dist push: the notebook has no variable 'undefined_name'" in undefined
         # The ranks still work after all that.

@@ -315,6 +315,20 @@ def test_the_summary_of_a_run_without_a_directory_or_lines_is_short():
     )
 
 
+def test_the_saved_summary_carries_no_raw_control_byte():
+    # Fault sweep case 11: a rank's raw ESC/OSC bytes reached the saved text/plain summary.
+    model = fed(
+        run_info(),
+        line(0, "title\x1b]0;owned\x07 and a lone \x1b here, a bell \x07, a NUL \x00"),
+        state(0, RunState.FAILED, "ValueError: \x1b[2Jcleared"),
+        ended(False, {0: "ValueError: \x1b[2Jcleared\x08", 1: "returned"}),
+    )
+    text = summary.summary_bundle(model)["text/plain"]
+    assert not any(ord(c) < 32 and c not in "\n\t" for c in text)
+    assert "title and a lone \\x1b here, a bell \\x07, a NUL \\x00" in text
+    assert "ValueError: cleared\\x08" in text
+
+
 def test_only_plain_small_values_get_a_short_repr():
     assert summary.short_repr(pickle.dumps([1, 2, 3])) == "[1, 2, 3]"
     assert summary.short_repr(pickle.dumps("s" * 200)) == f"'{'s' * 27}...{'s' * 28}'"

@@ -190,7 +190,13 @@ def dist_pull(line: str) -> None:
     name, rank = _name_and_ranks(line, "pull")
     pool = _running_pool("pull")
     (chosen,) = parse_ranks(rank if rank is not None else 0, pool.world_size)
-    get_ipython().user_ns[name] = pool.pull(name, chosen)
+    try:
+        value = pool.pull(name, chosen)
+    except TypeError as exc:  # the value cannot be pickled back: the person's input, not a bug
+        from IPython.core.error import UsageError
+
+        raise UsageError(f"%dist pull: {exc}") from None
+    get_ipython().user_ns[name] = value
     print(f"nblaunch pool: {name} from rank {chosen}")
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 # Any escape sequence: CSI (ESC [ ... final byte), OSC (ESC ] ... BEL/ST) or a two-byte ESC x.
 ANSI = re.compile(r"\x1b(?:\[([0-9;?]*)([@-~])|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+# Control bytes other than tab: a terminal would act on them, a saved text must not carry them.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _BASIC = ("#000000", "#cd3131", "#0d7a3e", "#949800", "#0451a5", "#bc05bc", "#0598bc", "#555555")
 _BRIGHT = ("#666666", "#e53e3e", "#16a34a", "#b59f00", "#2563eb", "#d946ef", "#0891b2", "#a5a5a5")
 
@@ -24,6 +26,12 @@ def esc(text: Any) -> str:
 def plain(text: str) -> str:
     """``text`` without escape sequences."""
     return ANSI.sub("", text) if "\x1b" in text else text
+
+
+def printable(text: str) -> str:
+    """``text`` for a saved notebook's ``text/plain``: escape sequences dropped, and any other
+    control byte (a lone ESC, BEL, backspace, NUL) shown as ``\\xNN``, never passed on raw."""
+    return _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", plain(text))
 
 
 def strip_to_html(text: str) -> str:

@@ -8,7 +8,7 @@ state (GitHub, nbviewer, another Lab) still shows each rank's outcome and last l
 from __future__ import annotations
 
 from nblaunch.notebook.charts import render_svg
-from nblaunch.notebook.views.ansi import esc, plain, to_html
+from nblaunch.notebook.views.ansi import esc, printable, to_html
 from nblaunch.notebook.views.model import FD, SUMMARY_VALUE_BYTES, TEXT, Line, RunModel
 from nblaunch.notebook.views.render import SEVERITY_COLORS, STATE_COLORS
 
@@ -42,7 +42,7 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
         plain_lines.append(f"--- rank {r}, last {_plural(len(lines), 'line')}")
         if earlier:
             plain_lines.append(f"  {_earlier_note(model, r, earlier)}")
-        plain_lines += [f"  {plain(_cut(line[TEXT]))}" for line in lines]
+        plain_lines += [f"  {_cut(line[TEXT])}" for line in lines]
 
     cell = "padding:2px 10px;text-align:left;border-bottom:1px solid #e5e7eb;white-space:nowrap"
     rows = []
@@ -97,7 +97,7 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
         f"margin:4px 0'>{''.join(rows)}</table>{where if run_dir else ''}{found}"
         f"{charts}{''.join(blocks)}</div>"
     )
-    return {"text/plain": "\n".join(plain_lines), "text/html": html_out}
+    return {"text/plain": printable("\n".join(plain_lines)), "text/html": html_out}
 
 
 def _tails(model: RunModel, ranks: list[int]) -> list[tuple[int, list[Line], int]]:
