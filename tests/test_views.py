@@ -329,6 +329,37 @@ def test_the_saved_summary_carries_no_raw_control_byte():
     assert "ValueError: cleared\\x08" in text
 
 
+def test_a_hundred_thousand_metric_names_keep_the_view_small():
+    # Fault sweep case 8: 100k names in one call left ~214 MB per run in the kernel (the live
+    # view lives as long as its widget). The view charts MAX_SERIES names and counts the rest.
+    import gc
+    import tracemalloc
+
+    from nblaunch.notebook.charts import MAX_LEFT_OUT_NAMES, MAX_SERIES
+
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        model = fed(run_info())
+        for step in range(3):
+            event = {"kind": "metrics", "rank": 0, "step": step, "time": 1.0 + step}
+            event["values"] = {f"m{i}": float(i) for i in range(100_000)}
+            model.handle(event)
+            del event
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(model.metrics.series) == MAX_SERIES + 1  # and steps/s, derived
+    assert len(model.metrics.left_out) == MAX_LEFT_OUT_NAMES
+    assert kept < 5 * 2**20, f"the model keeps {kept / 2**20:.1f} MB"
+    note = "10,000 or more other metric names are not charted (every value is in metrics.jsonl)"
+    model.handle(ended(True, {0: "returned", 1: "returned"}))
+    assert note in summary.summary_bundle(model)["text/plain"]
+    assert note in render.charts_html(model)
+
+
 def test_only_plain_small_values_get_a_short_repr():
     assert summary.short_repr(pickle.dumps([1, 2, 3])) == "[1, 2, 3]"
     assert summary.short_repr(pickle.dumps("s" * 200)) == f"'{'s' * 27}...{'s' * 28}'"

@@ -20,14 +20,21 @@ CHART_WIDTH, CHART_HEIGHT = 260, 120
 # Past this many ranks a chart shows the mean with a min-max band instead of a line per rank.
 MAX_RANK_LINES = 4
 RANK_COLORS = ("#2563eb", "#c2410c", "#15803d", "#7c3aed", "#0e7490", "#be185d", "#4d7c0f")
+# Metric names the view charts; later names are only counted (metrics.jsonl keeps every one), so
+# the notebook's memory stays bounded whatever a run logs (100k names in one call cost ~214 MB).
+MAX_SERIES = 32
+# Names left out that are remembered, to count them; past this the count says "or more".
+MAX_LEFT_OUT_NAMES = 10_000
 
 
 class MetricSeries:
     """What the view keeps of the metrics: per name and rank, at most ``MAX_POINTS`` points."""
 
-    def __init__(self, max_points: int = MAX_POINTS) -> None:
+    def __init__(self, max_points: int = MAX_POINTS, max_series: int = MAX_SERIES) -> None:
         self.max_points = max_points
+        self.max_series = max_series
         self.series: dict[str, dict[int, list[tuple[float, float]]]] = {}
+        self.left_out: set[str] = set()  # names past max_series (at most MAX_LEFT_OUT_NAMES)
         self._since: dict[int, tuple[int, float]] = {}  # rank -> (step, time) of its last rate
 
     def add(self, event: Mapping[str, Any]) -> None:
@@ -43,6 +50,10 @@ class MetricSeries:
             self._since[rank] = (step, when)
 
     def _append(self, name: str, rank: int, step: int, value: float) -> None:
+        if name not in self.series and len(self.series) >= self.max_series and name != THROUGHPUT:
+            if len(self.left_out) < MAX_LEFT_OUT_NAMES:
+                self.left_out.add(name)
+            return
         points = self.series.setdefault(name, {}).setdefault(rank, [])
         points.append((float(step), value))
         if len(points) > self.max_points:
@@ -50,6 +61,15 @@ class MetricSeries:
 
     def __bool__(self) -> bool:
         return bool(self.series)
+
+    def left_out_note(self) -> str:
+        """``"1,234 other metric names are not charted (every value is in metrics.jsonl)"``."""
+        if not self.left_out:
+            return ""
+        count = f"{len(self.left_out):,}" + (
+            " or more" if len(self.left_out) >= MAX_LEFT_OUT_NAMES else ""
+        )
+        return f"{count} other metric names are not charted (every value is in metrics.jsonl)"
 
 
 def _thin(points: list[tuple[float, float]], keep: int) -> list[tuple[float, float]]:
@@ -70,6 +90,8 @@ def render_svg(series: MetricSeries, width: int = CHART_WIDTH, height: int = CHA
         legend = " ".join(
             f"<span style='color:{_color(rank)}'>&#9632; rank {rank}</span>" for rank in ranks
         )
+    note = series.left_out_note()
+    legend += f"; {html.escape(note)}" if note else ""
     return (
         "<div class='nbl-charts' style='display:flex;flex-wrap:wrap;gap:8px;margin:4px 0'>"
         + "".join(charts)

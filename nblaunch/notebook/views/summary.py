@@ -92,6 +92,8 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
     if model.metrics:
         names = ", ".join(sorted(model.metrics.series))
         plain_lines.append(f"metrics: {names} (in {run_dir or 'the run'}/metrics.jsonl)")
+        if model.metrics.left_out:
+            plain_lines.append(f"  {model.metrics.left_out_note()}")
     html_out = (
         f"<div><b>nblaunch</b> {title}<table style='border-collapse:collapse;"
         f"margin:4px 0'>{''.join(rows)}</table>{where if run_dir else ''}{found}"
