@@ -26,7 +26,7 @@ from nblaunch.engine.in_order import InOrderLog
 from nblaunch.engine.lines import LineSplitter
 from nblaunch.engine.run_files import RunFiles, log_line
 from nblaunch.engine.supervisor import RankProcess
-from nblaunch.events import Event, EventSink
+from nblaunch.events import Event, EventSink, diagnosis
 
 READ_SIZE = 1 << 20
 LOG_FLUSH_S = 0.5
@@ -71,7 +71,7 @@ class Relay:
     ) -> None:
         self.clock = clock
         self.run_dir = run_dir
-        self.files = RunFiles(run_dir)
+        self.files = RunFiles(run_dir, self._disk_trouble)
         self.lines = LineSplitter(sink, self.files)
         self._sink = sink
         self._selector = selectors.DefaultSelector()
@@ -209,6 +209,19 @@ class Relay:
                 self._selector.unregister(key.fd)
         self._selector.close()
         self.files.close()
+
+    def _disk_trouble(self, what: str, path: Path, exc: OSError) -> None:
+        """A run file could not be written: said once, in the view; the run goes on."""
+        self.sink.handle(
+            diagnosis(
+                f"the run's {what} are no longer written: {exc.strerror or exc} ({path})",
+                f"Writing {path} failed with {type(exc).__name__}: {exc}. The ranks keep "
+                f"training and the view keeps showing them; only the {what} on disk stop here. "
+                "Free the disk (or pass run_dir= another directory) for the next run.",
+                "warning",
+                None,
+            )
+        )
 
     def write_metrics(self, event: dict[str, Any]) -> None:
         """Append a ``metrics`` event to ``<run dir>/metrics.jsonl`` (nblaunch.ranks.metrics)."""
