@@ -551,6 +551,41 @@ def distributed_on_pool(ip, line: str, cell: str):
     return ip.run_cell_magic("distributed", line, cell)  # no -n: the pool's ranks
 
 
+def test_a_pushed_value_is_not_sent_again_by_the_cells_that_read_it(ip, monkeypatch):
+    # Fault sweep case 7: after %dist push big (512 MB), every cell reading big took 6-9 s while
+    # the notebook still held it: its copy was pickled and shipped each time, for nothing.
+    import nblaunch.notebook.cell as cell_module
+    from nblaunch.notebook.pool import start_pool
+
+    sent = []
+    serialize = cell_module.serialize_names
+    monkeypatch.setattr(
+        cell_module,
+        "serialize_names",
+        lambda values: sent.append(sorted(values)) or serialize(values),
+    )
+    pool = start_pool(2, device_type="cpu", display="none")
+    try:
+        ip.run_cell("import torch\nbig = torch.ones(4_000_000)\nsmall = 2")
+        ip.run_line_magic("dist", "push big")
+        assert distributed_on_pool(ip, "", "float(big.sum()) * small") == 8_000_000.0
+        assert sent[-1] == ["small"]  # big is on every rank already
+        ip.run_line_magic("dist", "push big --ranks 1")  # only some ranks: sent again
+        distributed_on_pool(ip, "", "big.numel()")
+        assert sent[-1] == ["big"]
+        ip.run_line_magic("dist", "push big")
+        ip.run_cell("big = torch.zeros(3)")  # rebound in the notebook: no longer the pushed one
+        distributed_on_pool(ip, "", "big.numel()")
+        assert sent[-1] == ["big"]
+        pool.restart()  # fresh ranks hold nothing
+        ip.run_line_magic("dist", "push big")
+        pool.restart()
+        assert distributed_on_pool(ip, "", "big.numel()") == 3
+        assert sent[-1] == ["big"]
+    finally:
+        pool.close()
+
+
 # --- code that makes and destroys its own process group -------------------------------------------
 
 # The PyTorch DDP tutorial's setup, cleanup, ToyModel and demo_basic, as a notebook cell (only

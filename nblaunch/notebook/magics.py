@@ -16,6 +16,7 @@ value per rank of the pool (``None`` where the cell did not run) and sets ``task
 from __future__ import annotations
 
 import sys
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from IPython.core import magic_arguments
@@ -211,7 +212,8 @@ class DistributedMagics(Magics):
         if pool is not None:
             _refuse_launch_options(args)
         try:
-            task = prepare_cell(shell, line, cell, outputs=args.outputs)
+            pinned = pool.pinned_names(shell.user_ns) if pool is not None else ()
+            task = prepare_cell(shell, line, cell, outputs=args.outputs, pinned=pinned)
         except LaunchError as exc:  # a name the cell reads does not pickle: nothing started
             raise UsageError(str(exc)) from None
         try:
@@ -274,13 +276,19 @@ class DistributedMagics(Magics):
 
 
 def prepare_cell(
-    shell: Any, line: str, cell: str, *, outputs: list[str] | tuple[str, ...] = ()
+    shell: Any,
+    line: str,
+    cell: str,
+    *,
+    outputs: list[str] | tuple[str, ...] = (),
+    pinned: Collection[str] = (),
 ) -> CellTask:
     """Build the :class:`~nblaunch.ranks.cell.CellTask` for a ``%%distributed`` cell.
 
     The cell is registered with IPython's compiler under a name of its own, as the person
     sees it (the ``%%distributed`` line, then the body), so tracebacks read
-    ``Cell In[N], line L`` with the cell's own lines and numbers.
+    ``Cell In[N], line L`` with the cell's own lines and numbers. ``pinned`` names are not
+    sent: the ranks hold them already (a pool's pushed values).
 
     Raises
     ------
@@ -312,7 +320,7 @@ def prepare_cell(
         name
         for name, value in getattr(shell, "user_ns_hidden", {}).items()
         if shell.user_ns.get(name, value) is value
-    }
+    } | set(pinned)
     return build_cell_task(
         cell,
         shell.user_ns,

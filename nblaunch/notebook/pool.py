@@ -26,7 +26,9 @@ it lives as long as the rank process. The end of a task is :mod:`nblaunch.notebo
 
 from __future__ import annotations
 
+import contextlib
 import os
+import weakref
 from typing import Any
 
 from nblaunch import pickling
@@ -180,6 +182,7 @@ class Pool(PoolRanks):
             The value cannot be pickled (nothing was sent).
         """
         chosen = None if ranks is None else parse_ranks(ranks, self.world_size)
+        self.pushed.pop(name, None)
         try:
             payload = pickling.dumps((namespace.push_value, (name, value), {}))
         except Exception as exc:
@@ -189,6 +192,19 @@ class Pool(PoolRanks):
                 "%%distributed cell, instead."
             ) from None
         self.run_payload(payload, ranks=chosen, description=f"push {name}", display="none")
+        if chosen is None:  # every rank holds it now: cells need not send it again
+            with contextlib.suppress(TypeError):  # a value without weak references is small
+                self.pushed[name] = weakref.ref(value)
+
+    def pinned_names(self, user_ns: dict[str, Any]) -> set[str]:
+        """The notebook names whose value every rank already holds, pushed (``%dist push``) and
+        not rebound since: a cell reading them does not send them again. Pushing is a copy:
+        a change made to the notebook's object in place after the push stays in the notebook."""
+        return {
+            name
+            for name, pushed in self.pushed.items()
+            if name in user_ns and pushed() is user_ns[name]
+        }
 
     def debug(self, rank: int | None = None) -> None:
         """Open the debugger at the failing frame of the last cell's failure (``%dist debug``).

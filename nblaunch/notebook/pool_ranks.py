@@ -103,6 +103,8 @@ class PoolRanks:
         self.current_task = ""
         self.restarts = 0
         self.engine: Run | None = None  # the engine, while the pool runs
+        # Notebook values every rank holds since %dist push (name -> the pushed object).
+        self.pushed: dict[str, Any] = {}
         self._task_id = 0
         self._pids: list[int | None] = []
 
@@ -141,6 +143,7 @@ class PoolRanks:
             _atexit_registered = True
         began = time.monotonic()
         self.engine = None
+        self.pushed.clear()  # fresh ranks hold nothing
         try:
             run = self.engine = self._new_run(plan)
             run.start()
