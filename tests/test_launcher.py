@@ -884,3 +884,26 @@ def test_a_plain_script_that_imports_nblaunch_starts_no_process():
         timeout=60,
     )
     assert done.stdout.strip() == "None", done
+
+
+def test_the_first_launch_imports_no_torch_and_an_early_interrupt_leaves_a_usable_kernel(kernel):
+    # Fault sweep case 6: the first launch imported torch in the kernel to count devices, so an
+    # interrupt 0.06-0.2 s in landed inside `import torch` (the next launch failed with
+    # SystemError, or hung), and the launch cell took ~1 s after an import of nblaunch alone.
+    assert kernel.run("import nblaunch\ndef one(): return 1")["error"] is None
+    interrupted = kernel.run(
+        "nblaunch.notebook_launcher(one, num_processes=2, display='none')",
+        interrupt_after=0.1,
+        timeout=60,
+    )
+    assert interrupted["error"] in ("KeyboardInterrupt", None), interrupted
+    after = kernel.run(
+        "import sys, time\nt = time.perf_counter()\n"
+        "print(nblaunch.notebook_launcher(one, num_processes=2, display='none'), "
+        "'torch' in sys.modules, round(time.perf_counter() - t, 2))",
+        timeout=120,
+    )
+    assert after["error"] is None, after
+    *values, torch_imported, seconds = after["out"].split()
+    assert values == ["[1,", "1]"] and torch_imported == "False", after["out"]
+    assert float(seconds) < 5.0

@@ -269,11 +269,18 @@ def _cpu_library_notes(device_type: str, num_processes: int, warnings: list[str]
 
 
 def detect_devices(device_type: str | None) -> tuple[str, int, str]:
-    """Return (device type, how many, a name for the header)."""
-    import torch
+    """Return (device type, how many, a name for the header).
 
+    On a machine without a GPU driver torch is not imported here: importing it in a notebook
+    costs a second (the forkserver imports it for the ranks anyway), and an interrupt in the
+    middle of it leaves the kernel's torch half imported.
+    """
     if device_type is not None and device_type not in DEVICE_TYPES:
         raise LaunchError(f"device_type={device_type!r} is not one of {', '.join(DEVICE_TYPES)}")
+    if device_type in (None, "cpu") and "torch" not in sys.modules and not _gpu_driver_present():
+        return "cpu", os.cpu_count() or 1, "CPU"
+    import torch
+
     if device_type in (None, "xla") and _xla_available():
         import torch_xla.runtime as xr  # type: ignore[import-not-found]
 
@@ -291,6 +298,14 @@ def detect_devices(device_type: str | None) -> tuple[str, int, str]:
     if device_type == "cuda":
         raise LaunchError("device_type='cuda' but no CUDA device is visible to torch")
     return "cpu", os.cpu_count() or 1, "CPU"
+
+
+def _gpu_driver_present() -> bool:
+    """Whether a GPU driver torch could use is loaded (NVIDIA's or ROCm's), read from the
+    system without importing torch."""
+    return any(
+        os.path.exists(path) for path in ("/proc/driver/nvidia/gpus", "/dev/nvidiactl", "/dev/kfd")
+    )
 
 
 def _xla_available() -> bool:

@@ -176,8 +176,13 @@ class Supervisor:
             self.semaphore_dir = semaphores.directory()
 
     def fork_rank(self, rank: int) -> RankProcess:
-        """Start one process running :func:`nblaunch.ranks.worker.main`; it waits for its set-up."""
-        import torch.multiprocessing as mp
+        """Start one process running :func:`nblaunch.ranks.worker.main`; it waits for its set-up.
+
+        The standard library's multiprocessing, not torch's: only bytes and plain records cross
+        these pipes, and the notebook need not import torch (a second, and an interrupt in the
+        middle of it leaves its torch half imported); the forkserver has torch for the ranks.
+        """
+        import multiprocessing as mp
 
         from nblaunch.ranks import worker
 
