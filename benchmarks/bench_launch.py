@@ -12,9 +12,10 @@ Workloads
 - big parent: the same hello world with the parent holding a 4 GB tensor, as a notebook kernel
   often does: fork must copy the parent's page tables, a forkserver does not.
 - first launch in a kernel: a real Jupyter kernel runs the import cell (``import torch,
-  nblaunch`` and the function), then, ``KERNEL_PAUSE_S`` later (the user moving to the next
-  cell), the launch cell twice; for nblaunch with its forkserver started in the background at
-  import (the default) and without (``NBLAUNCH_PRESTART=0``), and for Accelerate.
+  nblaunch`` and the function; or ``import nblaunch`` alone, as the quick start does), then,
+  ``KERNEL_PAUSE_S`` later (the user moving to the next cell), the launch cell twice; for
+  nblaunch with its forkserver started in the background at import (the default) and without
+  (``NBLAUNCH_PRESTART=0``), and for Accelerate.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def hello():
     dist.all_reduce(t)
     return t.item()
 """
+# The quick start's import cell imports nblaunch alone: torch is imported by the ranks.
+NBLAUNCH_ONLY_CELL = HELLO_CELL.replace("import torch, nblaunch", "import nblaunch")
 ACCELERATE_CELL = """
 import contextlib, io, socket, torch
 from accelerate import notebook_launcher
@@ -58,6 +61,11 @@ KERNEL_LAUNCHERS = {
     "nblaunch (forkserver started at import, the default)": (
         {"NBLAUNCH_PRESTART": "1"},
         HELLO_CELL,
+        "nblaunch.notebook_launcher(hello, (), 2, device_type='cpu', display='none')",
+    ),
+    "nblaunch, the import cell imports only nblaunch": (
+        {"NBLAUNCH_PRESTART": "1"},
+        NBLAUNCH_ONLY_CELL,
         "nblaunch.notebook_launcher(hello, (), 2, device_type='cpu', display='none')",
     ),
     "nblaunch, NBLAUNCH_PRESTART=0": (
