@@ -105,13 +105,14 @@ class Kernel:
         timeout: float = 60,
         interrupt_after: float | None = None,
         answers: list[str] | None = None,
-        answer_after: float = 0.0,
+        answer_after: float | None = 0.0,
     ) -> dict:
         """Run one cell; return its printed text, result, error name and message, and seconds.
 
         With ``answers``, the cell may ask for input (``input()``, a rank's debugger): each
         prompt is recorded in ``"prompts"`` and gets the next answer ``answer_after`` seconds
-        later ("c" once they run out), as a person typing into the notebook would.
+        later ("c" once they run out), as a person typing into the notebook would; with
+        ``answer_after=None`` nobody answers (a person who walked away, or presses interrupt).
         """
         msg_id = self.client.execute(code, allow_stdin=answers is not None)
         pending = list(answers or [])
@@ -134,8 +135,9 @@ class Kernel:
                 with contextlib.suppress(queue.Empty):
                     request = self.client.get_stdin_msg(timeout=0.01)
                     cell["prompts"].append(request["content"]["prompt"])
-                    time.sleep(answer_after)
-                    self.client.input(pending.pop(0) if pending else "c")
+                    if answer_after is not None:
+                        time.sleep(answer_after)
+                        self.client.input(pending.pop(0) if pending else "c")
             try:
                 msg = self.client.get_iopub_msg(timeout=0.05)
             except Exception:  # queue.Empty

@@ -145,6 +145,28 @@ def test_pdb_option_opens_a_post_mortem_before_the_failure_is_reported(notebook)
     assert "-> raise ValueError('boom')" in cell["out"] and "\n6\n" in cell["out"]
 
 
+def test_the_interrupt_button_works_at_a_pools_debugger_prompt(notebook):
+    # Fault sweep case 5: pressed twice at a pool's (Pdb) prompt, the interrupt did nothing;
+    # only typing an answer freed the kernel. One-shot launches stopped at once.
+    assert notebook.run("%dist start -n 2")["error"] is None
+    try:
+        notebook.run("%%distributed\nkept = rank + 1")
+        cell = notebook.run(
+            "%%distributed\nimport nblaunch\nnblaunch.breakpoint(rank=1)\nrank",
+            answers=[],
+            answer_after=None,  # nobody answers: the person presses the interrupt button
+            interrupt_after=3.0,
+            timeout=30,
+        )
+        assert cell["prompts"] == ["[rank 1] (Pdb) "]
+        assert cell["error"] == "KeyboardInterrupt", cell
+        assert cell["seconds"] < 3.0 + 6.0
+        # The pool is ready, with its names: the rank in the debugger was interrupted too.
+        assert notebook.run("%%distributed\nkept")["result"] == "1"
+    finally:
+        notebook.run("%dist stop")
+
+
 def test_pool_post_mortem_and_variables_between_kernel_and_ranks(notebook):
     assert notebook.run("%dist start -n 2")["error"] is None
     try:

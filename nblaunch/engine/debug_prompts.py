@@ -8,7 +8,10 @@ and the run's clocks are paused (``RunContext.pause``): the hang watchdog does n
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from nblaunch.engine.monitor import RunContext
@@ -26,10 +29,29 @@ def ask(rank: int, output: str, prompt: str) -> str:
         sys.stdout.write(output if output.endswith("\n") else output + "\n")
         sys.stdout.flush()
     try:
-        return input(f"[rank {rank}] {prompt or RankPdb.PROMPT}")
+        with interruptible():
+            return input(f"[rank {rank}] {prompt or RankPdb.PROMPT}")
     except (EOFError, NotImplementedError):  # IPython's StdinNotImplementedError included
         print(f"[rank {rank}] nothing here can answer the debugger (no input); continuing")
         return "c"
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """The interrupt button raises ``KeyboardInterrupt`` here, while the person is asked.
+
+    A pool counts interrupts during a task and acts on them between turns of its loop, which
+    never come while ``input()`` waits: at a prompt the interrupt must land at once.
+    """
+    try:
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # not the main thread: no interrupt reaches it anyway
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class DebugPrompts:

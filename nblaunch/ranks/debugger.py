@@ -82,6 +82,12 @@ class RankPdb(pdb.Pdb):
         super().__init__(stdin=self.channel, stdout=self.channel, nosigint=True)
         self.prompt = self.PROMPT
 
+    def _cmdloop(self) -> None:
+        # pdb takes an interrupt for "cancel this command" and prompts again; here the
+        # interrupt comes from the notebook's button, and nobody is at the prompt any more:
+        # it stops the task at this line, as it would without the debugger.
+        self.cmdloop()
+
     def interaction(self, frame: FrameType | None, tb: TracebackType | Any) -> None:
         try:
             super().interaction(frame, tb)
