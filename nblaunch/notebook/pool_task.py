@@ -55,7 +55,7 @@ def decide_task_end(
     Parameters
     ----------
     lost
-        Ranks the pool lost: deaths, or a lost node (``Cause.NODE``), first first.
+        Ranks the pool lost: deaths, or a lost node (``Cause.NODE``); the first is named.
     pending
         Task ranks that did not come back (no ``finished``) after the interrupt.
     where_stuck
