@@ -178,11 +178,16 @@ class Supervisor:
     def fork_rank(self, rank: int) -> RankProcess:
         """Start one process running :func:`nblaunch.ranks.worker.main`; it waits for its set-up.
 
-        The standard library's multiprocessing, not torch's: only bytes and plain records cross
-        these pipes, and the notebook need not import torch (a second, and an interrupt in the
-        middle of it leaves its torch half imported); the forkserver has torch for the ranks.
+        Only bytes and plain records cross these pipes, so the standard library's
+        multiprocessing does, and the notebook need not import torch for it (a second, and an
+        interrupt in the middle leaves its torch half imported; the forkserver has torch for the
+        ranks). Where torch is imported already, torch's: forked ranks then inherit it instead
+        of importing it each (~15 ms a launch with the fork start method).
         """
-        import multiprocessing as mp
+        if "torch" in sys.modules:
+            import torch.multiprocessing as mp
+        else:
+            import multiprocessing as mp
 
         from nblaunch.ranks import worker
 
