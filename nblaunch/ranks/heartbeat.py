@@ -343,6 +343,12 @@ class HeartbeatThread:
 
     def _heartbeat(self, now: float, *, final: bool = False) -> Heartbeat:
         seq = collective_sequence()
+        groups = process_groups.group_status()
+        if not final:
+            # Reading the counts may let the task's thread run (they come from C++): look at it
+            # again now, so the position is no older than the collectives they say it issued,
+            # and agrees with the stack below (DDP's backward was once reported at the forward).
+            self.sample(now)
         cpu = self._cpu_time()
         busy_cpu = cpu - self._cpu > BUSY_CPU_SHARE * max(now - self._checked_at, 1e-3)
         output = self._output.last
@@ -357,7 +363,6 @@ class HeartbeatThread:
         self._seq, self._cpu, self._checked_at, self._beat_output = seq, cpu, now, output
         position = self._position
         still_s = 0.0 if final else now - self._last_moved
-        groups = process_groups.group_status()
         in_flight = None
         collective = position.collective
         pending = process_groups.pending(groups)
