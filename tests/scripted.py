@@ -108,13 +108,19 @@ def raises(rank: int, exc: BaseException) -> list[dict[str, Any]]:
 
 
 def heartbeat(
-    rank: int, *, collective: str | None = None, seq: int = 1, still: float = 0.0
+    rank: int,
+    *,
+    collective: str | None = None,
+    seq: int | None = None,
+    still: float = 0.0,
+    where: str = "train.py:10 in train",
 ) -> dict[str, Any]:
-    """A heartbeat: where the rank is, the collective it waits in, how long it has been still."""
+    """A heartbeat: where the rank is, the collective it waits in, how many collectives it has
+    issued (``seq``; None for a backend that does not count), how long it has been still."""
     return {
         "kind": "heartbeat",
         "rank": rank,
-        "where": "train.py:10 in train",
+        "where": where,
         "collective": collective,
         "wait_s": 0.0,
         "busy_s": 1.0,

@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from scripted import heartbeat as beat
 
 from nblaunch import DistributedHangError, notebook_launcher
 from nblaunch.engine.hang import HangMonitor
@@ -207,21 +208,6 @@ class FakeRun:
 def monitor(hang_timeout=None, world_size=2, debug=False):
     plan = SimpleNamespace(world_size=world_size, hang_timeout=hang_timeout, debug=debug)
     return HangMonitor(plan)
-
-
-def beat(rank, *, collective=None, seq=None, still=0.0, where="train.py:10 in train"):
-    return {
-        "kind": "heartbeat",
-        "rank": rank,
-        "where": where,
-        "collective": collective,
-        "wait_s": 0.0,
-        "busy_s": 1.0,
-        "last_output": 0.0,
-        "stack": f"stack of rank {rank}",
-        "seq": seq,
-        "still_s": still,
-    }
 
 
 def returns(hang, run, rank, seq):
