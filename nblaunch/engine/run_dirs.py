@@ -23,14 +23,12 @@ import shutil
 from pathlib import Path
 
 from nblaunch.errors import LaunchError
-from nblaunch.options import KEEP_RUNS, keep_runs_from_env
+from nblaunch.options import keep_runs_from_env
 
 LEASE_FILE = ".lease"
 # A run directory nblaunch named itself: "20261203-084512-123456-3fa9", or the older
 # "20261203-084512-3fa9c1" (same second: not ordered by time).
 _RUN_DIR_NAME = re.compile(r"^\d{8}-\d{6}-(\d{6}-[0-9a-f]{4}|[0-9a-f]{6})$")
-
-__all__ = ["KEEP_RUNS", "LEASE_FILE", "RunLease", "new_run_dir", "prune_runs"]
 
 
 class RunLease:
@@ -44,10 +42,6 @@ class RunLease:
         self.run_dir = run_dir
         self._fd: int | None = os.open(run_dir / LEASE_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
     def release(self) -> None:
         """The run is over: its directory may be pruned from now on."""
