@@ -17,7 +17,7 @@ from typing import Any
 from nblaunch.events import Event, RunState
 from nblaunch.notebook.charts import MetricSeries
 from nblaunch.notebook.views.ansi import plain
-from nblaunch.options import VIEW_LINES, view_lines_from_env
+from nblaunch.options import VIEW_LINES
 
 # Lines kept per rank and in the "All ranks" log; NBLAUNCH_VIEW_LINES changes it.
 DEFAULT_VIEW_LINES = VIEW_LINES
@@ -244,8 +244,3 @@ class RunModel:
                 return
         self.diagnoses.append(event)
         self.changed.add("panel")
-
-
-def env_lines() -> int:
-    """``NBLAUNCH_VIEW_LINES``, the lines a view keeps per rank (checked at every launch)."""
-    return view_lines_from_env()

@@ -17,8 +17,9 @@ from typing import Any
 
 from nblaunch.events import Event
 from nblaunch.notebook.views import render
-from nblaunch.notebook.views.model import RunModel, env_lines
+from nblaunch.notebook.views.model import RunModel
 from nblaunch.notebook.views.summary import summary_bundle
+from nblaunch.options import view_lines_from_env
 
 _shared: dict[str, Any] = {}
 
@@ -79,7 +80,7 @@ class LaunchView:
         self, *, max_lines: int | None = None, max_rate: float = 20.0, max_line_chars: int = 1000
     ) -> None:
         if max_lines is None:
-            max_lines = env_lines()
+            max_lines = view_lines_from_env()
         if max_lines < 1 or max_rate <= 0 or max_line_chars < 1:
             raise ValueError("max_lines, max_rate and max_line_chars must be positive")
         self.max_lines = max_lines
