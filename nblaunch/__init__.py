@@ -19,6 +19,7 @@ from nblaunch.errors import (
     NoExecutableBatchSizeError,
     RankFailedError,
     RendezvousTimeoutError,
+    RunStoppedError,
 )
 from nblaunch.ranks.batch_size import find_executable_batch_size
 from nblaunch.ranks.debugger import breakpoint
@@ -46,6 +47,7 @@ from nblaunch.ranks.worker import (
 
 if TYPE_CHECKING:
     from nblaunch.engine.metrics_files import load_metrics
+    from nblaunch.notebook.handle import RunHandle, attach, runs
     from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
     from nblaunch.notebook.pool import Pool, start_pool
 
@@ -58,6 +60,9 @@ _FRONT_ENDS = {
     "Pool": "nblaunch.notebook.pool",
     "start_pool": "nblaunch.notebook.pool",
     "load_metrics": "nblaunch.engine.metrics_files",
+    "RunHandle": "nblaunch.notebook.handle",
+    "runs": "nblaunch.notebook.handle",
+    "attach": "nblaunch.notebook.handle",
 }
 
 
@@ -87,7 +92,10 @@ __all__ = [
     "Pool",
     "RankFailedError",
     "RendezvousTimeoutError",
+    "RunHandle",
+    "RunStoppedError",
     "all_reduce",
+    "attach",
     "breakpoint",
     "broadcast",
     "broadcast_object_list",
@@ -108,6 +116,7 @@ __all__ = [
     "per_device_batch_size",
     "rank",
     "reduce",
+    "runs",
     "set_seed",
     "set_trigger",
     "start_pool",

@@ -138,7 +138,66 @@ def add_join_command(subparsers: Subparsers) -> None:
     add_parser(subparsers)
 
 
-COMMANDS: list[Callable[[Subparsers], None]] = [add_env_command, add_run_command, add_join_command]
+def add_runs_command(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "runs",
+        help="list this machine's detached runs, or stop one",
+        description=(
+            "Detached runs (notebook_launcher(..., detach=True)) outlive their kernel. "
+            "'nblaunch runs' lists them with their state; 'nblaunch runs stop ID' stops one "
+            "(ID or its start) as the view's Stop button would."
+        ),
+    )
+    parser.add_argument("action", nargs="?", choices=["list", "stop"], default="list")
+    parser.add_argument("run_id", nargs="?", metavar="ID", help="the run to stop")
+    parser.add_argument(
+        "--wait", type=float, default=15.0, metavar="S", help="seconds to wait for it to end"
+    )
+    parser.set_defaults(handler=run_runs)
+
+
+def run_runs(args: argparse.Namespace) -> int:
+    import time
+
+    from nblaunch.engine import detached
+    from nblaunch.errors import LaunchError
+
+    if args.action == "list":
+        rows = [f"{'id':<28} {'state':<8} {'ranks':>5}  {'host pid':>8}  run directory"]
+        for entry in detached.entries():
+            rows.append(
+                f"{entry.run_id:<28} {entry.live_state:<8} {entry.world_size:>5}  "
+                f"{entry.pid:>8}  {entry.run_dir}"
+            )
+        print("\n".join(rows) if len(rows) > 1 else "no detached runs on this machine")
+        return 0
+    if not args.run_id:
+        print("nblaunch runs stop: which run? (nblaunch runs lists them)", file=sys.stderr)
+        return 2
+    try:
+        entry = detached.find(args.run_id)
+    except LaunchError as exc:
+        print(f"nblaunch runs stop: {exc}", file=sys.stderr)
+        return 1
+    if not detached.stop_host(entry):
+        print(f"{entry.run_id} is not running ({entry.live_state})")
+        return 0
+    deadline = time.monotonic() + args.wait
+    while detached.host_alive(entry.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if detached.host_alive(entry.pid):
+        print(f"{entry.run_id}: its host (pid {entry.pid}) is still stopping", file=sys.stderr)
+        return 1
+    print(f"{entry.run_id} stopped")
+    return 0
+
+
+COMMANDS: list[Callable[[Subparsers], None]] = [
+    add_env_command,
+    add_run_command,
+    add_join_command,
+    add_runs_command,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,8 @@ traceback attached and a note naming the rank; the classes below are for everyth
     │   │                               code), or its exception could not be re-created
     │   └── LaunchTimeoutError          ``timeout=`` ran out with ranks still running
     ├── DistributedHangError            ranks sat in collectives that could never complete
+    ├── RunStoppedError                 a background or detached run was stopped (Stop
+    │                                   button, RunHandle.stop(), ``nblaunch runs stop``)
     ├── NoExecutableBatchSizeError      find_executable_batch_size ran out of memory at every
     │                                   batch size down to 1 (also a RuntimeError)
     └── DistributedOperationException   debug mode: ranks called a collective with mismatched
@@ -152,6 +154,15 @@ class DistributedHangError(NblaunchError):
 
     def __reduce__(self):
         return (DistributedHangError, (str(self),), {"stacks": self.stacks})
+
+
+class RunStoppedError(NblaunchError):
+    """A background or detached run was stopped before every rank returned.
+
+    Raised by ``RunHandle.result()`` after the view's Stop button, ``RunHandle.stop()`` or
+    ``nblaunch runs stop``; a blocking launch that is stopped raises ``KeyboardInterrupt`` as
+    any interrupted cell does. What the ranks wrote until then is in the run directory.
+    """
 
 
 class NoExecutableBatchSizeError(NblaunchError, RuntimeError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -254,3 +255,95 @@ def test_a_rank_s_breakpoint_is_answered_in_the_notebook(debug_notebook):
             timeout=60_000
         )
     assert shot.stat().st_size > 5_000
+
+
+BACKGROUND_CELLS = [
+    "import nblaunch, time\n"
+    "def train(steps):\n"
+    "    for step in range(steps):\n"
+    "        print(f'step {step}', flush=True)\n"
+    "        nblaunch.log_metrics({'loss': 1 / (step + 1)}, step=step)\n"
+    "        time.sleep(0.1)\n"
+    "    return step",
+    "h = nblaunch.notebook_launcher(train, (600,), num_processes=2, device_type='cpu', "
+    "block=False)",
+    "6 * 7",
+    "h.view()",
+]
+
+
+@pytest.fixture
+def background_notebook(tmp_path):
+    yield from _notebook(tmp_path, "background.ipynb", BACKGROUND_CELLS)
+
+
+def _run_cell(page, index: int) -> None:
+    """Run the notebook's cell ``index`` as a person would (select it, run it)."""
+    page.evaluate(
+        "(i) => { const n = window.jupyterapp.shell.currentWidget.content;"
+        " n.activeCellIndex = i; window.jupyterapp.commands.execute('notebook:run-cell'); }",
+        index,
+    )
+
+
+def _kernel_idle(page, timeout_ms: int = 90_000) -> None:
+    page.wait_for_function(
+        "() => { const p = window.jupyterapp?.shell?.currentWidget;"
+        " return p?.sessionContext?.session?.kernel?.status === 'idle'; }",
+        timeout=timeout_ms,
+    )
+
+
+def test_a_background_run_s_view_comes_back_after_a_page_reload(background_notebook):
+    """Start a background run, run another cell meanwhile, reload the page (the outputs go, the
+    kernel answers at once), show the view again in a new cell, see it move, stop it there."""
+    from playwright.sync_api import expect, sync_playwright
+
+    shots = [ROOT / "docs" / f"background-{n}.png" for n in ("before-reload", "after-reload")]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 1200})
+            page.goto(background_notebook, timeout=90_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+            _kernel_idle(page)
+            for index in (0, 1):
+                _run_cell(page, index)
+            ranks = page.locator(".nbl-root .nbl-ranks")
+            expect(ranks).to_contain_text("rank 1 · RUNNING", timeout=120_000)
+            _run_cell(page, 2)  # runs at once: the launch does not hold the kernel
+            expect(page.locator(".jp-OutputArea-output", has_text="42")).to_be_visible(
+                timeout=30_000
+            )
+            expect(ranks).to_contain_text("RUNNING")
+            page.wait_for_timeout(1500)
+            cell = page.locator(".jp-Cell", has=page.locator(".nbl-root"))
+            cell.locator(".jp-Cell-outputWrapper").screenshot(path=str(shots[0]))
+
+            page.reload()
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+            _kernel_idle(page, 30_000)  # not "busy" or "unknown": the run holds no cell
+            expect(page.locator(".nbl-root")).to_have_count(0)  # the old output is gone
+            _run_cell(page, 3)  # h.view()
+            view = page.locator(".nbl-root")
+            expect(view.locator(".nbl-ranks")).to_contain_text("RUNNING", timeout=30_000)
+            log = view.locator(".nbl-log:visible")
+            expect(log).to_contain_text("step 1", timeout=30_000)  # the history came back
+            expect(view.locator(".nbl-charts polyline").first).to_be_attached(timeout=30_000)
+
+            def last_step() -> int:
+                return max(int(n) for n in re.findall(r"step (\d+)", log.inner_text()))
+
+            first = last_step()
+            page.wait_for_timeout(2000)
+            assert last_step() > first  # live: the view moves
+            page.locator(".jp-Cell", has=view).locator(".jp-Cell-outputWrapper").screenshot(
+                path=str(shots[1])
+            )
+            view.locator("button", has_text="Stop").click()
+            expect(view.locator(".nbl-ranks")).to_contain_text("STOPPED", timeout=30_000)
+        finally:
+            browser.close()
+    assert all(shot.stat().st_size > 5_000 for shot in shots)

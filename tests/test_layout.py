@@ -6,6 +6,7 @@ A file's folder says which process it runs in (docs/design.md, "Packages by proc
 - ``nblaunch/engine/`` runs in the notebook's process: shared, ranks and itself, never the
   front ends, IPython or ipywidgets;
 - ``nblaunch/cluster/`` is the other machines: shared, ranks, engine and itself;
+- ``nblaunch/host/`` is a detached run's host process: shared, ranks, engine and itself;
 - ``nblaunch/notebook/`` is the front ends, the only package that imports IPython or ipywidgets;
 - the shared modules (``errors``, ``events``, ``options``, ``tracebacks``, ``pickling``) import
   only each other.
@@ -29,6 +30,7 @@ ALLOWED = {
     "ranks": {"shared", "ranks"},
     "engine": {"shared", "ranks", "engine"},
     "cluster": {"shared", "ranks", "engine", "cluster"},
+    "host": {"shared", "ranks", "engine", "host"},
     "notebook": {"shared", "ranks", "engine", "cluster", "notebook"},
 }
 FRONT_END_LIBRARIES = {"IPython", "ipywidgets", "ipykernel"}
@@ -191,7 +193,10 @@ PUBLIC = [
     "Pool",
     "RankFailedError",
     "RendezvousTimeoutError",
+    "RunHandle",
+    "RunStoppedError",
     "all_reduce",
+    "attach",
     "breakpoint",
     "broadcast",
     "broadcast_object_list",
@@ -212,6 +217,7 @@ PUBLIC = [
     "per_device_batch_size",
     "rank",
     "reduce",
+    "runs",
     "set_seed",
     "set_trigger",
     "start_pool",
@@ -220,7 +226,7 @@ PUBLIC = [
 ]
 
 
-def test_the_public_names_are_exactly_those_of_before_the_move():
+def test_the_public_names_are_exactly_the_documented_ones():
     assert sorted(nblaunch.__all__) == PUBLIC
     assert all(getattr(nblaunch, name) is not None for name in PUBLIC)
     assert callable(nblaunch.rank) and nblaunch.rank() == 0  # the function, not the package

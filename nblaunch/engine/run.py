@@ -12,6 +12,7 @@ all drive it.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -69,13 +70,19 @@ class Run:
         self.task_ranks: list[int] = list(range(plan.world_size))  # the ranks running a task
         self.announced = False  # the run's header was shown
         self.pauses = Pauses(clock)  # the clocks stand still while a rank waits in the debugger
+        self._stop = threading.Event()  # request_stop: another thread asks this run to stop
 
-    def execute(self, payload: bytes) -> list[Any]:
-        """Run the payload on every rank and return the results, or raise the root cause."""
+    def execute(self, payload: bytes, *, started: bool = False) -> list[Any]:
+        """Run the payload on every rank and return the results, or raise the root cause.
+
+        ``started``: :meth:`start` was called already (a background run starts its ranks in the
+        cell, then goes on in a thread of its own).
+        """
         __tracebackhide__ = True
         interrupted = False
         try:
-            self.start()
+            if not started:
+                self.start()
             self.send_task(payload)
             self.watch()
             while self._restart_requested():  # e.g. a peer's out-of-memory left ranks blocked
@@ -176,6 +183,11 @@ class Run:
             if rank.rank in self.task_ranks:
                 self.backend.send(rank, message)
 
+    def request_stop(self) -> None:
+        """Stop this run as an interrupt would, from any thread: the run's own thread raises
+        ``KeyboardInterrupt`` at its next turn (:meth:`pump`) and stops every rank."""
+        self._stop.set()
+
     def interrupt(self, ranks: list[int]) -> None:
         """A KeyboardInterrupt in the task of each of ``ranks`` (SIGINT)."""
         self.backend.interrupt(ranks)
@@ -201,6 +213,8 @@ class Run:
         """One turn of the engine: wait up to ``timeout`` s for output or events, act on every
         event, and record a rank whose process ended without saying so as a death."""
         assert self.relay is not None
+        if self._stop.is_set():
+            raise KeyboardInterrupt
         for event in self.relay.poll(timeout):
             self.on_event(event)
         for rank in self.backend.reap():

@@ -43,6 +43,19 @@ class RunLease:
         self._fd: int | None = os.open(run_dir / LEASE_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 
+    @classmethod
+    def adopt(cls, run_dir: Path, fd: int) -> RunLease:
+        """The lease another process took and handed down with ``fd`` (a detached run's host
+        inherits it from the notebook: the lock never lapses between the two)."""
+        lease = cls.__new__(cls)
+        lease.run_dir, lease._fd = run_dir, fd
+        return lease
+
+    @property
+    def fd(self) -> int | None:
+        """The locked descriptor, to hand to a process that takes the run over."""
+        return self._fd
+
     def release(self) -> None:
         """The run is over: its directory may be pruned from now on."""
         if self._fd is not None:

@@ -106,6 +106,16 @@ register_dist_command(
     _dist_env,
     "[HOSTFILE]  torch, devices, backends and start methods; what to fix first",
 )
+# Background and detached runs (nblaunch.notebook.handle), imported when first used.
+register_dist_command(
+    "runs", "nblaunch.notebook.handle:dist_runs", "this kernel's runs and the detached ones"
+)
+register_dist_command(
+    "wait", "nblaunch.notebook.handle:dist_wait", "[ID]  wait for a background run's result"
+)
+register_dist_command(
+    "view", "nblaunch.notebook.handle:dist_view", "[ID]  show a run's live view in this cell"
+)
 # The persistent pool's commands, imported when first used.
 register_dist_command(
     "start",

@@ -56,7 +56,9 @@ def notebook_launcher(
     rdzv_id: str | None = None,
     start_nodes: str | None = None,
     hostfile: str | os.PathLike[str] | None = None,
-) -> list[Any]:
+    block: bool = True,
+    detach: bool = False,
+) -> Any:
     """Run ``function(*args, **kwargs)`` on ``num_processes`` ranks and return what each returned.
 
     Parameters
@@ -104,11 +106,18 @@ def notebook_launcher(
         Start the other nodes' join from here: ``"ssh"`` on the hosts of ``hostfile`` (after
         checking passwordless ssh), or ``"srun"`` inside a Slurm allocation. See
         :mod:`nblaunch.cluster.node_start`.
+    block
+        ``False``: start the ranks, show the live view and return a ``RunHandle`` at once; the
+        run goes on in the background while other cells run (see docs/background.md).
+    detach
+        Like ``block=False``, but the ranks run under a run host of their own that outlives
+        this kernel (a restart, a crash); ``nblaunch.attach()`` in a new kernel gets it back.
 
     Returns
     -------
-    list
-        ``function``'s return value on each rank, indexed by rank.
+    list or RunHandle
+        ``function``'s return value on each rank, indexed by rank; a ``RunHandle`` with
+        ``block=False`` or ``detach=True`` (its ``result()`` returns that list).
 
     Raises
     ------
@@ -129,6 +138,9 @@ def notebook_launcher(
     __tracebackhide__ = True  # the rank's traceback matters, not the launcher's frames
 
     refuse_if_running("notebook_launcher")  # a persistent pool holds the devices
+    background = detach or not block
+    if background:
+        _refuse_in_background(debug_on_error, num_nodes, rdzv_endpoint, start_nodes, detach)
     options = LaunchOptions(
         start_method=start_method,
         debug=debug,
@@ -165,6 +177,13 @@ def notebook_launcher(
     payload = serialize_payload(function, args, kwargs)
     from nblaunch.notebook.views import choose_view  # not at import: ~12 ms
 
+    if background:
+        if plan.device_type == "xla":
+            raise LaunchError("XLA devices run blocking launches only: leave block/detach out")
+        from nblaunch.notebook.handle import launch_in_background
+
+        name = getattr(function, "__qualname__", type(function).__name__)
+        return launch_in_background(plan, payload, display, detach=detach, function=name)
     view = choose_view(display)  # a live widget is deferred: a quick launch shows its summary
     if plan.device_type == "xla":
         return _launch_xla(plan, payload)
@@ -173,6 +192,26 @@ def notebook_launcher(
     finally:
         # The notebook will likely run this again: have its ranks' processes ready by then.
         spares.fork_ahead(plan.world_size, plan.start_method)
+
+
+def _refuse_in_background(
+    debug_on_error: bool,
+    num_nodes: int,
+    rdzv_endpoint: str | None,
+    start_nodes: str | None,
+    detach: bool,
+) -> None:
+    """What a run that does not hold its cell cannot do yet, said before anything starts."""
+    how = "detach=True" if detach else "block=False"
+    if debug_on_error:
+        raise LaunchError(
+            f"debug_on_error=True needs the cell: its prompts wait in it. Leave {how} out to "
+            "debug, or use nblaunch.breakpoint() in a blocking launch"
+        )
+    if num_nodes != 1 or rdzv_endpoint is not None or start_nodes:
+        raise LaunchError(
+            f"{how} runs on this machine only for now: leave it out for a multi-node run"
+        )
 
 
 def debug_launcher(function: Any, args: tuple[Any, ...] = (), num_processes: int = 2) -> list[Any]:

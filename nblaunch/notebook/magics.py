@@ -172,6 +172,12 @@ class DistributedMagics(Magics):
         help="with --start-nodes ssh: the other machines, one per line",
     )
     @magic_arguments.argument(
+        "--bg",
+        action="store_true",
+        help="run in the background: the cell returns a RunHandle at once and other cells "
+        "run meanwhile; %%dist wait (or handle.result()) gives the cell's result",
+    )
+    @magic_arguments.argument(
         "--ranks",
         default=None,
         metavar="SPEC",
@@ -211,6 +217,11 @@ class DistributedMagics(Magics):
             )
         if pool is not None:
             _refuse_launch_options(args)
+            if args.bg:
+                raise UsageError(
+                    "--bg runs one-shot cells: a pool's cell holds the notebook for now. "
+                    "Leave --bg out, or %dist stop the pool and run the cell with --bg"
+                )
         try:
             pinned = pool.pinned_names(shell.user_ns) if pool is not None else ()
             task = prepare_cell(shell, line, cell, outputs=args.outputs, pinned=pinned)
@@ -243,6 +254,7 @@ class DistributedMagics(Magics):
                     rdzv_id=args.run_id,
                     start_nodes=args.start_nodes,
                     hostfile=args.hostfile,
+                    block=not args.bg,
                 )
         except KeyboardInterrupt:
             raise
@@ -256,8 +268,12 @@ class DistributedMagics(Magics):
             # Show the cell's frames, not the launcher's, like a cell run in the notebook. No
             # "from None": a cause the cell itself chained (raise ... from ...) stays.
             raise localize_tracebacks(exc, task.filename)  # noqa: B904
-        from nblaunch.notebook.cell import finish_cell
+        from nblaunch.notebook.cell import finish_cell, localize_tracebacks
 
+        if args.bg:  # a RunHandle: its result() finishes the cell as a blocking one would
+            results.finish = lambda values: finish_cell(task, values[task.main_rank], shell.user_ns)
+            results.localize = lambda exc: localize_tracebacks(exc, task.filename)
+            return results
         return finish_cell(task, results[task.main_rank], shell.user_ns)
 
     @line_magic

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nblaunch.events import Event
@@ -104,6 +105,9 @@ class LaunchView:
         self._running = False
         self._stop_lock = threading.Lock()
         self.stop_requested = False
+        # What the Stop button does for a run that does not hold the cell (RunHandle.stop);
+        # None: interrupt this process, which the blocking launch in the cell answers.
+        self.on_stop: Callable[[], None] | None = None
         # False: build no widgets, show only the static summary at the end (a run that was
         # over before its live view would have appeared; see DeferredView).
         self.live = True
@@ -170,16 +174,20 @@ class LaunchView:
     # --- the Stop button -------------------------------------------------------------------------
 
     def request_stop(self) -> bool:
-        """Interrupt the run like the kernel's interrupt button: SIGINT to this process.
+        """Interrupt the run like the kernel's interrupt button: SIGINT to this process (or
+        ``on_stop``, for a background or detached run).
 
         Safe from any thread; does nothing once the run is over or a stop was requested.
-        Returns True when the interrupt was sent.
+        Returns True when the stop was asked for.
         """
         with self._stop_lock:
             if not self._running or self.stop_requested:
                 return False
             self.stop_requested = True
-        os.kill(os.getpid(), signal.SIGINT)
+        if self.on_stop is not None:
+            self.on_stop()
+        else:
+            os.kill(os.getpid(), signal.SIGINT)
         return True
 
     def _hook_stop(self, button: Any) -> bool:
@@ -228,7 +236,9 @@ class LaunchView:
         )
         stop.on_click(lambda _button: self.request_stop())
         self.stop_hooked = self._hook_stop(stop)
-        if not self.stop_hooked:
+        if self.on_stop is not None:
+            stop.tooltip = "Stop every rank of this run (the interrupt button does not)"
+        elif not self.stop_hooked:
             stop.tooltip = "Takes effect only between cells here: use the notebook's interrupt"
         ranks = html()
         panel = html(layout="hidden")

@@ -1,0 +1,132 @@
+"""A run that goes on while the notebook does other things: the engine on a thread of its own.
+
+``notebook_launcher(..., block=False)`` starts the ranks in the cell (so a bad start is the
+cell's error), then hands the :class:`~nblaunch.engine.run.Run` to a thread and returns. The run
+writes to an :class:`~nblaunch.engine.history.EventHub`, so any number of views, in any cell,
+can watch it, late ones included. A detached run (:mod:`nblaunch.engine.detached`) offers the
+same :class:`RunControl` from another process.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from nblaunch.engine.history import EventHub
+from nblaunch.engine.run import Run
+from nblaunch.errors import RunStoppedError
+
+# What ``RunControl.state`` says.
+RUNNING, DONE, FAILED, STOPPED, LOST = "running", "done", "failed", "stopped", "lost"
+
+
+class RunControl(Protocol):
+    """What the notebook can do with a run that does not hold its cell."""
+
+    hub: EventHub  # the run's events, and its history for a late view
+    run_id: str
+    run_dir: Path | None
+
+    @property
+    def state(self) -> str:
+        """``running``, ``done``, ``failed``, ``stopped`` (or ``lost``: its host vanished)."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s for the run to end; True when it has."""
+
+    def stop(self) -> None:
+        """Stop every rank, as the interrupt button stops a blocking launch."""
+
+    def values(self) -> list[Any]:
+        """The values by rank, or raise what a blocking launch would have raised."""
+
+
+def state_of(error: BaseException | None) -> str:
+    """The state of a run that ended with ``error`` (None: every rank returned)."""
+    if error is None:
+        return DONE
+    return STOPPED if isinstance(error, RunStoppedError) else FAILED
+
+
+def stopped_error(run_dir: Path | None) -> RunStoppedError:
+    where = f"; what the ranks wrote is in {run_dir}" if run_dir else ""
+    return RunStoppedError(f"the run was stopped before every rank returned{where}")
+
+
+class BackgroundRun:
+    """A :class:`Run` going on in a thread of this process.
+
+    Parameters
+    ----------
+    run
+        A run whose view is an :class:`EventHub`.
+    payload
+        What each rank runs.
+    after
+        Called on the run's thread once it ended (e.g. have spare ranks ready).
+    """
+
+    def __init__(self, run: Run, payload: bytes, after: Callable[[], None] | None = None) -> None:
+        if not isinstance(run.view, EventHub):
+            raise TypeError("a background run writes to an EventHub")
+        self.run = run
+        self.hub: EventHub = run.view
+        self.run_dir = run.plan.run_dir
+        self.run_id = run.plan.run_id
+        self._payload = payload
+        self._after = after
+        self._done = threading.Event()
+        self._values: list[Any] = []
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the ranks here (a failure to start raises in the caller), then go on in a thread.
+
+        The thread runs in a copy of the caller's context: ipykernel sends what it prints or
+        displays to the cell that started it.
+        """
+        try:
+            self.run.start()
+        except BaseException:
+            self.run.finish()
+            raise
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._main,), name=f"nblaunch-{self.run_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self._values = self.run.execute(self._payload, started=True)
+        except KeyboardInterrupt:
+            self._error = stopped_error(self.run_dir)
+        except BaseException as exc:  # the run's own outcome, given to whoever asks
+            self._error = exc
+        finally:
+            self._done.set()
+            if self._after is not None:
+                self._after()
+
+    @property
+    def state(self) -> str:
+        return state_of(self._error) if self._done.is_set() else RUNNING
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def stop(self) -> None:
+        if not self._done.is_set():
+            self.run.request_stop()
+
+    def values(self) -> list[Any]:
+        __tracebackhide__ = True
+        if not self._done.is_set():
+            raise RuntimeError("the run has not ended: wait() first")
+        if self._error is not None:
+            raise self._error
+        return self._values

@@ -1,0 +1,330 @@
+"""Detached runs: the ranks under a run host of nblaunch's own, so the run outlives the kernel.
+
+``notebook_launcher(..., detach=True)`` plans the run here (a bad argument is the cell's error),
+writes the plan and payload into the run directory and starts ``python -m nblaunch.host`` in a
+session of its own, handing it the run directory's lease. The host runs the engine
+(:mod:`nblaunch.host.main`) and serves the run's events on a Unix socket
+(:mod:`nblaunch.engine.wire`); the notebook is one of its clients (:class:`AttachedRun`), and any
+later kernel of the same user can be another (``nblaunch.attach``).
+
+Every detached run has an entry, ``<id>.json``, in the user's registry of this machine
+(``NBLAUNCH_DETACHED_DIR``, default ``$TMPDIR/nblaunch-<uid>``, 0700): where its directory and
+socket are, its host's pid and its state. The host keeps it up to date.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from nblaunch.engine import wire
+from nblaunch.engine.background import LOST, RUNNING, state_of
+from nblaunch.engine.history import EventHub
+from nblaunch.engine.plan import LaunchPlan
+from nblaunch.errors import LaunchError, RankFailedError
+
+LAUNCH_FILE = "launch.pkl"  # the plan and payload the host runs
+RESULT_FILE = "result.pkl"  # the outcome, once the run ended
+HISTORY_FILE = "history.pkl"  # what a view of the ended run shows
+HOST_LOG = "host.log"
+SOCKET_FILE = "stream.sock"
+# Unix socket paths are limited to 108 bytes; a longer one goes in the registry.
+_MAX_SOCKET_PATH = 100
+# How long the host may take to start (it imports torch and starts a forkserver).
+HOST_START_LIMIT_S = 60.0
+
+
+def registry_dir() -> Path:
+    """The user's registry of detached runs on this machine, made private if missing.
+
+    Raises
+    ------
+    LaunchError
+        It belongs to another user or others may read it: naming the fix.
+    """
+    chosen = os.environ.get("NBLAUNCH_DETACHED_DIR")
+    path = Path(chosen) if chosen else Path(tempfile.gettempdir()) / f"nblaunch-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise LaunchError(
+            f"{path} (the registry of detached runs) must be yours and private (0700); "
+            "fix its owner or mode, or set NBLAUNCH_DETACHED_DIR to another directory"
+        )
+    return path
+
+
+@dataclasses.dataclass
+class Entry:
+    """A detached run as its registry entry describes it."""
+
+    run_id: str
+    run_dir: Path
+    pid: int
+    socket: str
+    kind: str  # "run" or "pool"
+    started_at: float
+    world_size: int
+    state: str
+    function: str = ""
+
+    @classmethod
+    def read(cls, path: Path) -> Entry | None:
+        try:
+            data = json.loads(path.read_text())
+            data["run_dir"] = Path(data["run_dir"])
+            return cls(**data)
+        except (OSError, ValueError, TypeError, KeyError):
+            return None  # half written, or not ours
+
+    def write(self) -> None:
+        """Replace the entry in one step (readers never see half of it)."""
+        data = dataclasses.asdict(self)
+        data["run_dir"] = str(self.run_dir)
+        path = registry_dir() / f"{self.run_id}.json"
+        partial = path.with_suffix(".tmp")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as file:
+            json.dump(data, file)
+        os.replace(partial, path)
+
+    @property
+    def live_state(self) -> str:
+        """The state, with a host that died without saying so as ``lost``."""
+        if self.state == RUNNING and not host_alive(self.pid):
+            return LOST
+        return self.state
+
+
+def host_alive(pid: int) -> bool:
+    """True when ``pid`` is a run host of nblaunch (a reused pid is not)."""
+    try:
+        return b"nblaunch.host" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def stop_host(entry: Entry) -> bool:
+    """Ask a detached run's host to stop the run (SIGTERM); False when it is not running."""
+    if not host_alive(entry.pid):
+        return False
+    os.kill(entry.pid, signal.SIGTERM)
+    return True
+
+
+def entries() -> list[Entry]:
+    """Every detached run in the registry whose directory still exists, newest first."""
+    found = []
+    for path in registry_dir().glob("*.json"):
+        entry = Entry.read(path)
+        if entry is not None and entry.run_dir.is_dir():
+            found.append(entry)
+    return sorted(found, key=lambda e: e.started_at, reverse=True)
+
+
+def find(run_id: str | None) -> Entry:
+    """The entry of ``run_id`` (a prefix will do); default: the newest run still going.
+
+    Raises
+    ------
+    LaunchError
+        No such run, or several match: listing what there is.
+    """
+    known = entries()
+    if run_id is None:
+        live = [e for e in known if e.live_state == RUNNING]
+        if not live:
+            raise LaunchError(
+                "no detached run is going on this machine; nblaunch.runs() lists the "
+                "ended ones: attach(run_id) to one of them"
+            )
+        return live[0]
+    matches = [e for e in known if e.run_id == run_id] or [
+        e for e in known if e.run_id.startswith(run_id)
+    ]
+    if len(matches) != 1:
+        ids = ", ".join(e.run_id for e in known[:10]) or "none"
+        what = "no" if not matches else "more than one"
+        raise LaunchError(f"{what} detached run matches {run_id!r}; detached runs: {ids}")
+    return matches[0]
+
+
+def socket_path(run_dir: Path, run_id: str) -> str:
+    """The run directory's ``stream.sock``, or the registry's when that path is too long."""
+    path = str(run_dir.resolve() / SOCKET_FILE)
+    if len(path.encode()) > _MAX_SOCKET_PATH:
+        path = str(registry_dir() / f"{run_id}.sock")
+    return path
+
+
+def start_host(plan: LaunchPlan, payload: bytes, *, kind: str = "run", function: str = "") -> Entry:
+    """Start the run host of ``plan`` and return its entry once it serves the run.
+
+    The lease on the run directory goes to the host with the descriptor, so nothing can prune
+    the directory between the two.
+
+    Raises
+    ------
+    LaunchError
+        The host did not start, with the end of its log.
+    """
+    assert plan.run_dir is not None and plan.run_lease is not None
+    run_dir = plan.run_dir.resolve()
+    launch = {"plan": dataclasses.replace(plan, run_lease=None), "payload": payload}
+    launch.update(sys_path=list(sys.path), kind=kind, function=function)
+    launch["registry"] = str(registry_dir())
+    fd = os.open(run_dir / LAUNCH_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        pickle.dump(launch, file, protocol=pickle.HIGHEST_PROTOCOL)
+    lease_fd = plan.run_lease.fd
+    log = os.open(run_dir / HOST_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        host = subprocess.Popen(
+            [sys.executable, "-m", "nblaunch.host", str(run_dir), str(lease_fd)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            pass_fds=(lease_fd,),
+            start_new_session=True,  # a kernel restart signals the kernel's group, not this one
+        )
+    finally:
+        os.close(log)
+    plan.run_lease.release()  # the host holds the lock now
+    entry_path = registry_dir() / f"{plan.run_id}.json"
+    deadline = time.monotonic() + HOST_START_LIMIT_S
+    while time.monotonic() < deadline:
+        entry = Entry.read(entry_path)
+        if entry is not None and entry.pid == host.pid:
+            return entry
+        if host.poll() is not None:
+            break
+        time.sleep(0.02)
+    else:
+        host.kill()
+    tail = (run_dir / HOST_LOG).read_text(errors="replace")[-2000:]
+    raise LaunchError(f"the run host did not start (see {run_dir / HOST_LOG}):\n{tail}")
+
+
+class AttachedRun:
+    """A detached run seen from a notebook: its events, its outcome, a way to stop it.
+
+    Connects to the host's socket when the run is going; a run that ended is read from its
+    directory (history and outcome). Offers :class:`~nblaunch.engine.background.RunControl`.
+    """
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+        self.run_id = entry.run_id
+        self.run_dir: Path | None = entry.run_dir
+        self.hub = EventHub()
+        self._done = threading.Event()
+        self._outcome: dict[str, Any] | None = None
+        self._send_lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        if entry.live_state == RUNNING:
+            try:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._sock.connect(entry.socket)
+            except OSError:
+                self._sock = None  # it ended a moment ago: read what it left
+        if self._sock is None:
+            self._read_ended()
+            return
+        thread = threading.Thread(target=self._read, name=f"nblaunch-attach-{self.run_id}")
+        thread.daemon = True
+        thread.start()
+
+    def _read(self) -> None:
+        assert self._sock is not None
+        try:
+            while (message := wire.receive(self._sock)) is not None:
+                kind, body = message
+                if kind == wire.EVENTS:
+                    for event in body:
+                        self.hub.handle(event)
+                    self.hub.flush()
+                elif kind == wire.OUTCOME:
+                    self._outcome = pickle.loads(body)
+                elif kind == wire.CLOSED:
+                    break
+        except (OSError, pickle.UnpicklingError, EOFError):
+            pass  # the host went away: what it left on disk says how the run ended
+        finally:
+            self._sock.close()
+            if self._outcome is None:
+                self._outcome = self._outcome_on_disk()
+            self.hub.close()
+            self._done.set()
+
+    def _read_ended(self) -> None:
+        try:
+            events = pickle.loads((self.entry.run_dir / HISTORY_FILE).read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError):
+            events = []
+        for event in events:
+            self.hub.handle(event)
+        self._outcome = self._outcome_on_disk()
+        self.hub.close()
+        self._done.set()
+
+    def _outcome_on_disk(self) -> dict[str, Any]:
+        try:
+            return pickle.loads((self.entry.run_dir / RESULT_FILE).read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError):
+            return {
+                "error": RankFailedError(
+                    f"the run host (pid {self.entry.pid}) ended without saying how the run "
+                    f"ended; see {self.entry.run_dir / HOST_LOG} and the rank logs there",
+                    rank=0,
+                    world_size=self.entry.world_size,
+                ),
+                "lost": True,
+            }
+
+    @property
+    def state(self) -> str:
+        if not self._done.is_set():
+            return RUNNING
+        assert self._outcome is not None
+        return LOST if self._outcome.get("lost") else state_of(self._outcome.get("error"))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def stop(self) -> None:
+        """Ask the host to stop the run (SIGTERM to it when the socket is gone)."""
+        if self._done.is_set():
+            return
+        try:
+            with self._send_lock:
+                assert self._sock is not None
+                wire.send(self._sock, wire.STOP, None)
+        except (OSError, AssertionError):
+            stop_host(self.entry)
+
+    def values(self) -> list[Any]:
+        __tracebackhide__ = True
+        if not self._done.is_set():
+            raise RuntimeError("the run has not ended: wait() first")
+        assert self._outcome is not None
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["values"]
+
+    def close(self) -> None:
+        """Stop watching (the run goes on)."""
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)

@@ -1,0 +1,48 @@
+"""The messages between a detached run's host and the notebooks watching it, on a Unix socket.
+
+Each message is a length (8 bytes, big-endian) and a pickle. The socket is the user's own (0600
+in a 0700 directory), so what it carries is as trusted as the user's files; the run's outcome
+is a cloudpickle, because the exception a rank raised may be of a class the notebook defined.
+
+The host sends, in order: ``("events", [event, ...])`` batches (the history first, then what
+comes live), then once the run ended ``("outcome", bytes)`` and ``("closed", None)``. A notebook
+sends ``("stop", None)``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+from typing import Any
+
+_LENGTH = struct.Struct("!Q")
+EVENTS, OUTCOME, CLOSED, STOP = "events", "outcome", "closed", "stop"
+
+
+def send(sock: socket.socket, kind: str, body: Any) -> None:
+    """Send one message (blocking until the kernel took it all)."""
+    data = pickle.dumps((kind, body), protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def receive(sock: socket.socket) -> tuple[str, Any] | None:
+    """The next message, or None when the other side closed the connection."""
+    header = _exactly(sock, _LENGTH.size)
+    if header is None:
+        return None
+    data = _exactly(sock, _LENGTH.unpack(header)[0])
+    if data is None:
+        return None
+    kind, body = pickle.loads(data)
+    return kind, body
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes | None:
+    chunks = bytearray()
+    while len(chunks) < size:
+        chunk = sock.recv(min(size - len(chunks), 1 << 20))
+        if not chunk:
+            return None
+        chunks += chunk
+    return bytes(chunks)

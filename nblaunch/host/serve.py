@@ -1,0 +1,161 @@
+"""The run host's socket: every notebook that attaches gets the run's history, then its events.
+
+Each client is a view of the run's :class:`~nblaunch.engine.history.EventHub` that queues what
+it is given; a thread of its own sends the queue in batches, so a slow or vanished notebook never
+holds up the engine. A client that falls :data:`MAX_QUEUED` events behind is dropped (its
+notebook attaches again and gets the history).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import threading
+from typing import Any
+
+from nblaunch.engine import wire
+from nblaunch.engine.history import EventHub
+from nblaunch.events import Event
+
+MAX_QUEUED = 200_000
+# Events sent in one message at most (a batch is one pickle and one system call).
+MAX_BATCH = 5_000
+_END = object()  # after it the client's thread sends the outcome and stops
+
+
+class ClientFeed:
+    """One attached notebook: an event sink whose events a thread sends down its socket."""
+
+    def __init__(self, sock: socket.socket, on_stop: Any) -> None:
+        self.sock = sock
+        self.on_stop = on_stop
+        self.gone = False
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.outcome: bytes | None = None
+        self.sender = threading.Thread(target=self._send, name="nblaunch-feed", daemon=True)
+        self.reader = threading.Thread(target=self._read, name="nblaunch-commands", daemon=True)
+
+    def start(self) -> None:
+        self.sender.start()
+        self.reader.start()
+
+    # --- EventSink ------------------------------------------------------------------------------
+
+    def handle(self, event: Event) -> None:
+        if self.gone:
+            return
+        if self._queue.qsize() > MAX_QUEUED:
+            self.gone = True  # too far behind: it attaches again and gets the history
+            self._queue.put(_END)
+            return
+        self._queue.put(event)
+
+    def flush(self, force: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass  # the run's last events are queued; the outcome follows with end()
+
+    def end(self, outcome: bytes) -> None:
+        """Send the outcome after what is queued, then close."""
+        self.outcome = outcome
+        self._queue.put(_END)
+
+    # --- threads ---------------------------------------------------------------------------------
+
+    def _send(self) -> None:
+        try:
+            while True:
+                batch, ended = [self._queue.get()], False
+                while len(batch) < MAX_BATCH:
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                if batch[-1] is _END or _END in batch:
+                    ended = True
+                    batch = batch[: batch.index(_END)]
+                if batch:
+                    wire.send(self.sock, wire.EVENTS, batch)
+                if ended:
+                    if self.outcome is not None:
+                        wire.send(self.sock, wire.OUTCOME, self.outcome)
+                        wire.send(self.sock, wire.CLOSED, None)
+                    return
+        except OSError:
+            pass  # the notebook went away; the run goes on
+        finally:
+            self.gone = True
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _read(self) -> None:
+        try:
+            while (message := wire.receive(self.sock)) is not None:
+                if message[0] == wire.STOP:
+                    self.on_stop()
+        except (OSError, ValueError, EOFError):
+            pass
+
+
+class StreamServer:
+    """Listens on ``path`` (0600) and feeds every client from ``hub``.
+
+    Parameters
+    ----------
+    path
+        The socket's path.
+    hub
+        The run's events and history.
+    on_stop
+        Called when a client asks for the run to stop.
+    """
+
+    def __init__(self, path: str, hub: EventHub, on_stop: Any) -> None:
+        self.path = path
+        self.hub = hub
+        self.on_stop = on_stop
+        self.clients: list[ClientFeed] = []
+        self._lock = threading.Lock()
+        self._outcome: bytes | None = None
+        if os.path.exists(path):
+            os.unlink(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_mask = os.umask(0o177)  # 0600 from the start, not after a chmod
+        try:
+            self.sock.bind(path)
+        finally:
+            os.umask(old_mask)
+        self.sock.listen(16)
+        self._accepting = threading.Thread(target=self._accept, name="nblaunch-accept", daemon=True)
+
+    def start(self) -> None:
+        self._accepting.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                return  # closed: the run ended
+            feed = ClientFeed(sock, self.on_stop)
+            with self._lock:
+                self.clients.append(feed)
+                self.hub.watch(feed)  # the history first, then every new event
+                if self._outcome is not None:
+                    feed.end(self._outcome)
+            feed.start()
+
+    def finish(self, outcome: bytes, limit_s: float = 5.0) -> None:
+        """Send every client the outcome after its last events; wait up to ``limit_s`` for them."""
+        with self._lock:
+            self._outcome = outcome
+            for feed in self.clients:
+                feed.end(outcome)
+        for feed in self.clients:
+            feed.sender.join(limit_s)
+        self.sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)

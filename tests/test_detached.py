@@ -1,0 +1,192 @@
+"""Detached runs (``detach=True``): the ranks under a run host that outlives the kernel, and a
+new kernel that attaches to them; and the notebook's background runs in a real kernel."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import Kernel, wait_until
+
+import nblaunch
+from nblaunch.engine import detached
+from nblaunch.errors import RunStoppedError
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch) -> Path:
+    """A registry of detached runs of this test's own (kernels started after it inherit it)."""
+    path = tmp_path / "detached"
+    monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(path))
+    return path
+
+
+def steps(count: int, pause_s: float, fail_rank: int | None = None) -> int:
+    import torch.distributed as dist
+
+    for i in range(count):
+        print(f"step {i}", flush=True)
+        time.sleep(pause_s)
+    if dist.get_rank() == fail_rank:
+        raise KeyError(f"no column {count} on rank {fail_rank}")
+    return dist.get_rank() + 100
+
+
+def processes_of(pid: int) -> list[psutil.Process]:
+    """``pid`` and its descendants, those not yet ended (a zombie has ended)."""
+    try:
+        root = psutil.Process(pid)
+        found = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    alive = []
+    for process in found:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_a_detached_run_is_private_returns_its_values_and_leaves_nothing(registry):
+    handle = nblaunch.notebook_launcher(steps, (10, 0.05), 2, detach=True, display="none")
+    entry = detached.find(handle.id)
+    assert handle.detached and handle.state == "running"
+    assert detached.host_alive(entry.pid) and entry.pid != os.getpid()
+    assert stat.S_IMODE(registry.stat().st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(entry.socket).st_mode) == 0o600
+    assert stat.S_IMODE(handle.run_dir.stat().st_mode) == 0o700
+    assert handle.result(timeout=60) == [100, 101]
+    assert wait_until(lambda: not processes_of(entry.pid), 10)
+    for name in (detached.RESULT_FILE, detached.HISTORY_FILE, detached.LAUNCH_FILE):
+        assert stat.S_IMODE((handle.run_dir / name).stat().st_mode) == 0o600
+    assert detached.find(handle.id).state == "done"
+    assert "step 9" in (handle.run_dir / "rank1.log").read_text()
+
+
+def test_a_detached_failure_comes_back_as_the_ranks_own_exception_also_after_the_end(registry):
+    handle = nblaunch.notebook_launcher(steps, (3, 0.05, 1), 2, detach=True, display="none")
+    with pytest.raises(KeyError, match="no column 3 on rank 1"):
+        handle.result(timeout=60)
+    later = nblaunch.attach(handle.id[:20])  # a prefix will do; read from the run directory
+    assert later.state == "failed"
+    with pytest.raises(KeyError, match="no column 3 on rank 1"):
+        later.result()
+    texts = [e.get("text") for e in later.hub.history.events() if e["kind"] == "stream"]
+    assert "step 2" in texts
+
+
+def test_the_cli_lists_and_stops_a_detached_run(registry):
+    handle = nblaunch.notebook_launcher(steps, (3000, 0.1), 2, detach=True, display="none")
+    entry = detached.find(handle.id)
+    command = [sys.executable, "-m", "nblaunch", "runs"]
+    listed = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert handle.id in listed.stdout and "running" in listed.stdout
+    stopped = subprocess.run(
+        [*command, "stop", handle.id], capture_output=True, text=True, timeout=60
+    )
+    assert stopped.returncode == 0, stopped.stderr
+    with pytest.raises(RunStoppedError):
+        handle.result(timeout=30)
+    assert handle.state == "stopped"
+    assert wait_until(lambda: not processes_of(entry.pid), 10)
+    again = subprocess.run([*command, "stop", handle.id], capture_output=True, text=True)
+    assert "is not running (stopped)" in again.stdout
+
+
+# --- in real kernels -----------------------------------------------------------------------------
+
+STEPS_CELL = """
+import time, nblaunch
+def steps(count, pause_s, fail_rank=None):
+    import torch.distributed as dist
+    for i in range(count):
+        print(f"step {i}", flush=True)
+        time.sleep(pause_s)
+    if dist.get_rank() == fail_rank:
+        raise KeyError(f"no column {count} on rank {fail_rank}")
+    return dist.get_rank() + 100
+"""
+
+
+def test_a_detached_run_survives_a_killed_kernel_and_a_new_kernel_gets_its_lines_and_values(
+    registry, tmp_path
+):
+    first = Kernel(tmp_path)
+    try:
+        first.run(STEPS_CELL)
+        cell = first.run(
+            "h = nblaunch.notebook_launcher(steps, (60, 0.1), 2, detach=True)\nprint(h.id)"
+        )
+        run_id = cell["out"].strip().splitlines()[-1]
+        entry = detached.find(run_id)
+        log = entry.run_dir / "rank0.log"
+        assert wait_until(lambda: log.exists() and "step 5" in log.read_text(), 30)
+        os.kill(first.pid(), signal.SIGKILL)  # the kernel dies: a crash, an OOM kill
+        killed_at_lines = log.read_text().count("step ")
+    finally:
+        first.close()
+    assert detached.host_alive(entry.pid)
+    second = Kernel(tmp_path)
+    try:
+        second.run("import nblaunch")
+        state = second.run("h = nblaunch.attach()\nprint(h.id, h.state)")
+        assert state["out"].split() == [run_id, "running"]
+        result = second.run("print(h.result(timeout=60))", timeout=90)
+        assert result["out"].strip() == "[100, 101]", result
+        # Lines printed after the kernel died are in what the new kernel's view was given.
+        seen = second.run(
+            "print(sorted({e['text'] for e in h.hub.history.events() "
+            "if e['kind'] == 'stream' and e['rank'] == 0}, key=lambda t: int(t.split()[1]))[-1])"
+        )
+        assert seen["out"].strip() == "step 59"
+        assert killed_at_lines < 59
+    finally:
+        second.close()
+    assert wait_until(lambda: not processes_of(entry.pid), 10)
+
+
+def test_in_a_kernel_other_cells_run_while_a_background_run_goes_on(kernel):
+    kernel.run(STEPS_CELL + "nblaunch.notebook_launcher(steps, (1, 0.0), 2, display='none')")
+    launch = kernel.run("h = nblaunch.notebook_launcher(steps, (40, 0.1), 2, block=False)")
+    assert launch["error"] is None and launch["seconds"] < 2.0, launch
+    # This cell runs while the ranks do: rank 0's log grows during it.
+    during = kernel.run(
+        "log = h.run_dir / 'rank0.log'\n"
+        "a = log.read_text().count('step ')\n"
+        "time.sleep(1.0)\n"
+        "b = log.read_text().count('step ')\n"
+        "print(h.state, b > a)"
+    )
+    assert during["out"].split() == ["running", "True"], during
+    done = kernel.run("print(h.result())")
+    assert done["out"].strip() == "[100, 101]"
+    failing = kernel.run("nblaunch.notebook_launcher(steps, (3, 0.0, 1), 2, block=False).result()")
+    assert failing["error"] == "KeyError" and "no column 3 on rank 1" in failing["message"]
+
+
+def test_in_a_kernel_a_background_cell_gives_its_result_and_names_through_dist_wait(kernel):
+    kernel.run("%load_ext nblaunch")
+    started = kernel.run(
+        "%%distributed -n 2 --bg -o total\nimport time\ntime.sleep(1)\ntotal = rank + 40\ntotal"
+    )
+    assert started["result"] and "RunHandle" in started["result"] and "running" in started["result"]
+    runs = kernel.run("%dist runs")
+    assert "running" in (runs["result"] or ""), runs
+    waited = kernel.run("%dist wait")
+    assert waited["result"] == "40", waited
+    assert kernel.run("print(total)")["out"].strip() == "40"
+    failing = kernel.run("%%distributed -n 2 --bg\nx = 1\nraise ValueError(f'bad {rank}')")
+    assert failing["error"] is None
+    raised = kernel.run("%dist wait")
+    assert raised["error"] == "ValueError"
+    assert raised["message"] in ("bad 0", "bad 1"), raised
+    assert any("line 3" in line for line in raised["traceback"]), raised["traceback"]
