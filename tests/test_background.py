@@ -3,6 +3,7 @@ and real ranks going on while the caller does other things."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -57,7 +58,7 @@ def test_history_thins_metrics_evenly_and_keeps_a_long_runs_first_and_last_point
     steps = [e["step"] for e in history.events()]
     assert len(steps) <= MAX_METRIC_EVENTS
     assert steps[0] == 0 and steps[-1] > 2.9 * MAX_METRIC_EVENTS
-    gaps = {b - a for a, b in zip(steps, steps[1:])}
+    gaps = {b - a for a, b in itertools.pairwise(steps)}
     assert len(gaps) == 1  # evenly spaced
 
 
