@@ -4,6 +4,8 @@ Prints one markdown table. Rows:
 
 - nblaunch, ranks writing to /dev/null: the floor (same launcher, same ranks, no output);
 - nblaunch in a kernel with the live view (``display="auto"``): the notebook case;
+- nblaunch in a kernel, a background run (``block=False``) and a detached run (``detach=True``),
+  each with the live view, waited for with ``result()``;
 - nblaunch in a script with the text view, stdout to a file;
 - Accelerate's ``notebook_launcher`` in a kernel (output goes to the cell as stream messages),
   stopped after ``--accelerate-limit`` seconds if it has not finished;
@@ -74,6 +76,19 @@ print("PID", os.getpid())
 NBLAUNCH_CELL = """
 _t0 = time.perf_counter()
 notebook_launcher(emit, args=({n}, {sink!r}), num_processes=2, display="auto", run_dir={run_dir!r})
+_wall = time.perf_counter() - _t0
+_v = _views[-1]
+print("BENCH " + json.dumps({{"wall": _wall, "view": type(_v).__name__,
+    "lines_received": getattr(getattr(_v, "model", None), "lines_received", None),
+    "messages_sent": getattr(_v, "messages_sent", None)}}))
+"""
+
+# A run that does not hold the cell: the engine on a thread (block=False) or in a run host
+# (detach=True, the kernel a client of its socket); the cell waits with result().
+HANDLE_CELL = """
+_t0 = time.perf_counter()
+_h = notebook_launcher(emit, args=({n}, {sink!r}), num_processes=2, run_dir={run_dir!r}, MODE)
+_h.result()
 _wall = time.perf_counter() - _t0
 _v = _views[-1]
 print("BENCH " + json.dumps({{"wall": _wall, "view": type(_v).__name__,
@@ -223,6 +238,15 @@ class Kernel:
         self.manager.shutdown_kernel(now=True)
 
 
+def marginal_rate(kernel: Kernel, work: Path, n: int, wall: float, template: str) -> float:
+    """Lines per second a run of ``2 n`` lines adds over one of 10 lines, the same way: the
+    relay's own rate, without what starting and stopping cost."""
+    run_dir = str(work / f"small-{time.monotonic_ns()}")
+    out = kernel.run(template.format(n=10, sink="stdout", run_dir=run_dir), 300)
+    small = bench_result(out["stdout"])["wall"]
+    return 2 * n / max(wall - small, 1e-9)
+
+
 def bench_result(stdout: str) -> dict:
     match = re.search(r"BENCH (\{.*\})", stdout)
     return json.loads(match.group(1)) if match else {}
@@ -286,6 +310,33 @@ def main() -> None:
                 memory.stop(),
             ]
         )
+
+        rates_by_row = {
+            "nblaunch in a kernel, live view": marginal_rate(kernel, work, n, wall, NBLAUNCH_CELL)
+        }
+        for label, mode in (("background run", "block=False"), ("detached run", "detach=True")):
+            template = HANDLE_CELL.replace("MODE", mode)
+            memory = PeakRSS(kernel.pid)
+            run_dir = work / mode.split("=")[0]
+            out = kernel.run(template.format(n=n, sink="stdout", run_dir=str(run_dir)), 600)
+            result = bench_result(out["stdout"])
+            handle_wall = result["wall"]
+            good, glued = count_log_lines(run_dir)
+            row = f"nblaunch in a kernel, {label}"
+            rates_by_row[row] = marginal_rate(kernel, work, n, handle_wall, template)
+            rows.append(
+                [
+                    row,
+                    "view (bounded) + rank logs",
+                    f"{good:,} (view: {result['lines_received']:,})",
+                    f"{expected - good:,}",
+                    f"{glued:,}",
+                    f"{handle_wall:.2f}",
+                    f"{handle_wall / floor:.1f}x",
+                    rates(out["comm_times"], handle_wall),
+                    memory.stop(),
+                ]
+            )
 
         port = free_port()
         memory = PeakRSS(kernel.pid)
@@ -365,6 +416,11 @@ def main() -> None:
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    print(
+        "\nRelay rate (lines/s beyond a 10-line run's cost, which for a detached run includes "
+        "starting its host): "
+        + "; ".join(f"{row}: {rate:,.0f}" for row, rate in rates_by_row.items())
+    )
     print(
         f"\n{os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.1f} at the end. "
         "Lines are counted where each launcher puts them."

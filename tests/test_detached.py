@@ -190,3 +190,28 @@ def test_in_a_kernel_a_background_cell_gives_its_result_and_names_through_dist_w
     assert raised["error"] == "ValueError"
     assert raised["message"] in ("bad 0", "bad 1"), raised
     assert any("line 3" in line for line in raised["traceback"]), raised["traceback"]
+
+
+def test_in_a_kernel_a_pool_cell_in_the_background_keeps_the_pool_busy_then_its_names(kernel):
+    kernel.run("%load_ext nblaunch")
+    kernel.run("%dist start -n 2")
+    try:
+        kernel.run("%%distributed\nx = 5")
+        started = kernel.run("%%distributed --bg -o y\nimport time\ntime.sleep(2)\ny = x + rank\ny")
+        assert started["error"] is None and "running" in (started["result"] or ""), started
+        busy = kernel.run("%%distributed\nx")
+        assert "UsageError: the pool is busy with a background cell" in busy["out"], busy
+        assert kernel.run("print(6 * 7)")["out"].strip() == "42"  # the notebook is free
+        waited = kernel.run("%dist wait")
+        assert waited["result"] == "5", waited
+        assert kernel.run("print(y)")["out"].strip() == "5"
+        # Stopping a background pool cell interrupts it; the pool and its names stay.
+        kernel.run("%%distributed --bg\nimport time\nwhile True:\n    time.sleep(0.1)")
+        stopped = kernel.run(
+            "import nblaunch\nh = nblaunch.runs()[0]\nh.stop()\nh.result(timeout=30)", timeout=60
+        )
+        assert stopped["error"] == "RunStoppedError", stopped
+        after = kernel.run("%%distributed\nx + 1")
+        assert after["error"] is None and after["result"] == "6", after
+    finally:
+        kernel.run("%dist stop")

@@ -56,27 +56,38 @@ def stopped_error(run_dir: Path | None) -> RunStoppedError:
     return RunStoppedError(f"the run was stopped before every rank returned{where}")
 
 
-class BackgroundRun:
-    """A :class:`Run` going on in a thread of this process.
+class BackgroundTask:
+    """Work that goes on in a thread of this process, seen through an :class:`EventHub`.
 
     Parameters
     ----------
-    run
-        A run whose view is an :class:`EventHub`.
-    payload
-        What each rank runs.
+    hub
+        Where the work's events go (the run's view).
+    run_id, run_dir
+        What the handle says it is.
+    work
+        Returns the values by rank or raises as a blocking call would; a ``KeyboardInterrupt``
+        from it (after ``stop``) means the work was stopped.
+    stop
+        Asks the work to stop, from any thread.
     after
-        Called on the run's thread once it ended (e.g. have spare ranks ready).
+        Called on the thread once the work ended (e.g. have spare ranks ready).
     """
 
-    def __init__(self, run: Run, payload: bytes, after: Callable[[], None] | None = None) -> None:
-        if not isinstance(run.view, EventHub):
-            raise TypeError("a background run writes to an EventHub")
-        self.run = run
-        self.hub: EventHub = run.view
-        self.run_dir = run.plan.run_dir
-        self.run_id = run.plan.run_id
-        self._payload = payload
+    def __init__(
+        self,
+        hub: EventHub,
+        run_id: str,
+        run_dir: Path | None,
+        work: Callable[[], list[Any]],
+        stop: Callable[[], None],
+        after: Callable[[], None] | None = None,
+    ) -> None:
+        self.hub = hub
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self._work = work
+        self._stop = stop
         self._after = after
         self._done = threading.Event()
         self._values: list[Any] = []
@@ -84,16 +95,8 @@ class BackgroundRun:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start the ranks here (a failure to start raises in the caller), then go on in a thread.
-
-        The thread runs in a copy of the caller's context: ipykernel sends what it prints or
-        displays to the cell that started it.
-        """
-        try:
-            self.run.start()
-        except BaseException:
-            self.run.finish()
-            raise
+        """Go on in a thread, in a copy of the caller's context: ipykernel sends what the
+        thread prints or displays to the cell that started it."""
         context = contextvars.copy_context()
         self._thread = threading.Thread(
             target=context.run, args=(self._main,), name=f"nblaunch-{self.run_id}", daemon=True
@@ -102,10 +105,10 @@ class BackgroundRun:
 
     def _main(self) -> None:
         try:
-            self._values = self.run.execute(self._payload, started=True)
+            self._values = self._work()
         except KeyboardInterrupt:
             self._error = stopped_error(self.run_dir)
-        except BaseException as exc:  # the run's own outcome, given to whoever asks
+        except BaseException as exc:  # the work's own outcome, given to whoever asks
             self._error = exc
         finally:
             self._done.set()
@@ -121,7 +124,7 @@ class BackgroundRun:
 
     def stop(self) -> None:
         if not self._done.is_set():
-            self.run.request_stop()
+            self._stop()
 
     def values(self) -> list[Any]:
         __tracebackhide__ = True
@@ -130,3 +133,40 @@ class BackgroundRun:
         if self._error is not None:
             raise self._error
         return self._values
+
+
+class BackgroundRun(BackgroundTask):
+    """A one-shot :class:`Run` going on in a thread of this process.
+
+    Parameters
+    ----------
+    run
+        A run whose view is an :class:`EventHub`.
+    payload
+        What each rank runs.
+    after
+        Called on the run's thread once it ended.
+    """
+
+    def __init__(self, run: Run, payload: bytes, after: Callable[[], None] | None = None) -> None:
+        if not isinstance(run.view, EventHub):
+            raise TypeError("a background run writes to an EventHub")
+        self.run = run
+        super().__init__(
+            run.view,
+            run.plan.run_id,
+            run.plan.run_dir,
+            lambda: run.execute(payload, started=True),
+            run.request_stop,
+            after,
+        )
+
+    def start(self) -> None:
+        """Start the ranks here (a failure to start raises in the caller), then go on in a
+        thread."""
+        try:
+            self.run.start()
+        except BaseException:
+            self.run.finish()
+            raise
+        super().start()

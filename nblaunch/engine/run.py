@@ -213,7 +213,8 @@ class Run:
         """One turn of the engine: wait up to ``timeout`` s for output or events, act on every
         event, and record a rank whose process ended without saying so as a death."""
         assert self.relay is not None
-        if self._stop.is_set():
+        if self._stop.is_set():  # once, as one press of the interrupt button
+            self._stop.clear()
             raise KeyboardInterrupt
         for event in self.relay.poll(timeout):
             self.on_event(event)

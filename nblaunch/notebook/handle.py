@@ -156,6 +156,11 @@ def launch_in_background(
         handle.view(display)
     if isinstance(control, BackgroundRun):
         control.start()  # the ranks start here; the header reaches the view in this cell
+    return remember(handle)
+
+
+def remember(handle: RunHandle) -> RunHandle:
+    """List ``handle`` among this kernel's runs (``runs()``); returns it."""
     _kernel_runs.append(handle)
     return handle
 
@@ -207,8 +212,7 @@ def attach(run_id: str | None = None) -> RunHandle:
             return handle
     handle = RunHandle(detached.AttachedRun(entry), detached=True)
     handle.started_at = entry.started_at
-    _kernel_runs.append(handle)
-    return handle
+    return remember(handle)
 
 
 class _DetachedEntry(RunHandle):

@@ -217,11 +217,7 @@ class DistributedMagics(Magics):
             )
         if pool is not None:
             _refuse_launch_options(args)
-            if args.bg:
-                raise UsageError(
-                    "--bg runs one-shot cells: a pool's cell holds the notebook for now. "
-                    "Leave --bg out, or %dist stop the pool and run the cell with --bg"
-                )
+
         try:
             pinned = pool.pinned_names(shell.user_ns) if pool is not None else ()
             task = prepare_cell(shell, line, cell, outputs=args.outputs, pinned=pinned)
@@ -231,7 +227,11 @@ class DistributedMagics(Magics):
             if pool is not None:
                 # The pool sets task.main_rank to the lowest rank --ranks chose.
                 results = pool.run_cell(
-                    task, ranks=args.ranks, timeout=args.timeout, hang_timeout=args.hang_timeout
+                    task,
+                    ranks=args.ranks,
+                    timeout=args.timeout,
+                    hang_timeout=args.hang_timeout,
+                    background=args.bg,
                 )
             else:
                 from nblaunch.notebook.launcher import notebook_launcher
@@ -271,7 +271,10 @@ class DistributedMagics(Magics):
         from nblaunch.notebook.cell import finish_cell, localize_tracebacks
 
         if args.bg:  # a RunHandle: its result() finishes the cell as a blocking one would
-            results.finish = lambda values: finish_cell(task, values[task.main_rank], shell.user_ns)
+            by_rank = results.finish or (lambda values: values)
+            results.finish = lambda values: finish_cell(
+                task, by_rank(values)[task.main_rank], shell.user_ns
+            )
             results.localize = lambda exc: localize_tracebacks(exc, task.filename)
             return results
         return finish_cell(task, results[task.main_rank], shell.user_ns)

@@ -228,7 +228,8 @@ class Pool(PoolRanks):
         timeout: float | None = None,
         hang_timeout: float | None = None,
         display: str | None = None,
-    ) -> list[Any]:
+        background: bool = False,
+    ) -> Any:
         """Run a ``%%distributed`` cell (a :class:`~nblaunch.ranks.cell.CellTask`) on the pool.
 
         Each rank runs the cell in its namespace (:func:`nblaunch.ranks.namespace.rank_namespace`),
@@ -243,11 +244,14 @@ class Pool(PoolRanks):
             rank's last expression and ``-o`` values come back.
         timeout, hang_timeout
             As for ``%%distributed``; ``hang_timeout`` defaults to the pool's.
+        background
+            ``%%distributed --bg``: return a ``RunHandle`` at once (see ``run_payload``).
 
         Returns
         -------
-        list
-            One entry per rank of the pool; ``None`` for ranks the cell did not run on.
+        list or RunHandle
+            One entry per rank of the pool; ``None`` for ranks the cell did not run on (with
+            ``background``, what the handle's ``result()`` returns).
         """
         chosen = None if ranks is None else parse_ranks(ranks, self.world_size)
         if chosen is not None:
@@ -261,11 +265,20 @@ class Pool(PoolRanks):
             display=display,
             timeout=timeout,
             hang_timeout=hang_timeout,
+            background=background,
         )
-        by_rank: list[Any] = [None] * self.world_size
-        for rank, value in zip(chosen or range(self.world_size), values, strict=True):
-            by_rank[rank] = value
-        return by_rank
+        world_size = self.world_size
+
+        def by_rank(values: list[Any]) -> list[Any]:
+            spread: list[Any] = [None] * world_size
+            for rank, value in zip(chosen or range(world_size), values, strict=True):
+                spread[rank] = value
+            return spread
+
+        if background:
+            values.finish = by_rank
+            return values
+        return by_rank(values)
 
     # --- information -----------------------------------------------------------------------------
 

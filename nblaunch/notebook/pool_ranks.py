@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from nblaunch.engine import shutdown
 from nblaunch.engine.backend import BackendFactory
+from nblaunch.engine.background import RUNNING, BackgroundTask
 from nblaunch.engine.clock import Clock
+from nblaunch.engine.history import EventHub
 from nblaunch.engine.plan import plan_launch
 from nblaunch.engine.run import Run
 from nblaunch.engine.supervisor import reap_let_go
@@ -24,7 +26,7 @@ from nblaunch.errors import LaunchError, describe_exit
 from nblaunch.events import NullView
 from nblaunch.notebook import pool_status
 from nblaunch.notebook.pool_status import PoolState
-from nblaunch.notebook.pool_task import AfterTask, run_task
+from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S, AfterTask, run_task
 from nblaunch.options import DISPLAY_MODES, LaunchOptions
 
 if TYPE_CHECKING:
@@ -107,6 +109,7 @@ class PoolRanks:
         self.pushed: dict[str, Any] = {}
         self._task_id = 0
         self._pids: list[int | None] = []
+        self.background: BackgroundTask | None = None  # a task going on in a thread (--bg)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -185,6 +188,9 @@ class PoolRanks:
         global _current
         if self.state is PoolState.CLOSED:
             return
+        if self.background is not None and self.background.state == RUNNING:
+            self.background.stop()  # interrupt the task first, as the interrupt button would
+            self.background.wait(INTERRUPT_WAIT_S + 5.0)
         run = self.engine
         if run is not None and self.state is PoolState.IDLE:
             run.hang_up(limit_s=3.0)
@@ -220,7 +226,8 @@ class PoolRanks:
         display: str | None = None,
         timeout: float | None = None,
         hang_timeout: float | None = None,
-    ) -> list[Any]:
+        background: bool = False,
+    ) -> Any:
         """Run a serialised ``(function, args, kwargs)`` as one task; return values by rank.
 
         Parameters
@@ -237,11 +244,15 @@ class PoolRanks:
             Fail the task with ``LaunchTimeoutError`` after this many seconds.
         hang_timeout
             For this task, instead of the pool's ``hang_timeout``.
+        background
+            Return a :class:`~nblaunch.notebook.handle.RunHandle` at once and run the task in a
+            thread; the pool is busy (a cell on it says so) until the task ends, and
+            ``handle.stop()`` interrupts it as the interrupt button would, keeping the names.
 
         Raises
         ------
         LaunchError
-            The pool is stopped or broken, or ``ranks`` is not valid; nothing ran.
+            The pool is stopped, busy or broken, or ``ranks`` is not valid; nothing ran.
         KeyboardInterrupt
             The task was interrupted; the ranks are ready for the next one.
         """
@@ -252,7 +263,23 @@ class PoolRanks:
         if not task_ranks or any(not 0 <= r < self.world_size for r in task_ranks):
             raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{self.world_size - 1}")
         mode = display or self.display
+        hang_timeout = self.options.hang_timeout if hang_timeout is None else hang_timeout
+        if background:
+            return _task_in_background(
+                self, payload, task_ranks, mode, description, timeout, hang_timeout
+            )
         view = choose_view(mode, defer="always")
+        return self._run_task(payload, task_ranks, view, description, timeout, hang_timeout)
+
+    def _run_task(
+        self,
+        payload: bytes,
+        task_ranks: list[int],
+        view: Any,
+        description: str,
+        timeout: float | None,
+        hang_timeout: float | None,
+    ) -> list[Any]:
         run = self.engine
         self._task_id += 1
         self.state = PoolState.BUSY
@@ -265,7 +292,7 @@ class PoolRanks:
                 task_ranks,
                 view,
                 timeout=timeout,
-                hang_timeout=self.options.hang_timeout if hang_timeout is None else hang_timeout,
+                hang_timeout=hang_timeout,
                 first=self.tasks_run == 0,
                 describe_node=self._describe_node,
             )
@@ -314,6 +341,11 @@ class PoolRanks:
         if self.state is PoolState.CLOSED:
             raise LaunchError(
                 "the pool is stopped; start one with %dist start -n N or nblaunch.start_pool(N)"
+            )
+        if self.background is not None and self.background.state == RUNNING:
+            raise LaunchError(
+                f"the pool is busy with a background cell ({self.current_task}): %dist wait "
+                "for it, or stop it with nblaunch.runs()[0].stop(); its names stay"
             )
         if self.state in (PoolState.STARTING, PoolState.BUSY):
             raise LaunchError(f"the pool is busy: {self.describe()}")
@@ -369,6 +401,39 @@ class PoolRanks:
             shutdown.release_run_dir(run)
             with contextlib.suppress(Exception):
                 run.backend.close()
+
+
+def _task_in_background(
+    pool: PoolRanks,
+    payload: bytes,
+    task_ranks: list[int],
+    display: str,
+    description: str,
+    timeout: float | None,
+    hang_timeout: float | None,
+) -> Any:
+    """A pool's task on a thread (``run_payload(background=True)``); returns its handle."""
+    from nblaunch.notebook.handle import RunHandle, remember
+
+    run = pool.engine
+    hub = EventHub()
+    pool.state = PoolState.BUSY  # from now: no other cell slips in before the thread starts
+    pool.current_task = description or "a task"
+    # The header now, while the cell runs: the view is built in it.
+    hub.handle(run.plan.run_info(time.time(), warnings=[], notes=[]))
+    task = BackgroundTask(
+        hub,
+        f"{run.plan.run_id}-task{pool._task_id + 1}",
+        run.plan.run_dir,
+        lambda: pool._run_task(payload, task_ranks, hub, description, timeout, hang_timeout),
+        run.request_stop,
+    )
+    handle = RunHandle(task)
+    if display != "none":
+        handle.view(display)
+    pool.background = task
+    task.start()
+    return remember(handle)
 
 
 def _close_current() -> None:
