@@ -58,7 +58,7 @@ class RunHistory:
         self.events_seen += 1
         kept = (next(self._order), event)
         kind = event["kind"]
-        if kind in ("stream", "log"):
+        if kind == "stream" or kind == "log":  # every line a rank prints: kept short
             lines = self._lines.get(event["rank"])
             if lines is None:
                 lines = self._lines[event["rank"]] = collections.deque(maxlen=self.max_lines)
@@ -103,6 +103,7 @@ class _Watcher:
     def __init__(self, view: EventSink) -> None:
         self.view = view
         self.context = contextvars.copy_context()
+        self.handle = view.handle  # bound once: every line a rank prints passes here
 
     def call(self, method: str, *args: Any) -> None:
         self.context.run(getattr(self.view, method), *args)
@@ -121,8 +122,9 @@ class EventHub:
     def __init__(self, history: RunHistory | None = None) -> None:
         self.history = history if history is not None else RunHistory()
         self.closed = False
-        self._watchers: list[_Watcher] = []
-        self._lock = threading.RLock()
+        # Replaced, never changed in place: handle() loops over it without copying.
+        self._watchers: tuple[_Watcher, ...] = ()
+        self._lock = threading.Lock()  # views never call back into the hub
         self.errors: list[BaseException] = []  # what dropped views raised, for the curious
 
     def watch(self, view: EventSink) -> None:
@@ -136,16 +138,20 @@ class EventHub:
                 view.close()
                 return
             view.flush(force=True)
-            self._watchers.append(watcher)
+            self._watchers = (*self._watchers, watcher)
 
     def unwatch(self, view: EventSink) -> None:
         with self._lock:
-            self._watchers = [w for w in self._watchers if w.view is not view]
+            self._watchers = tuple(w for w in self._watchers if w.view is not view)
 
     def handle(self, event: Event) -> None:
         with self._lock:
             self.history.add(event)
-            self._each("handle", event)
+            for watcher in self._watchers:
+                try:
+                    watcher.context.run(watcher.handle, event)
+                except Exception as exc:  # a view's trouble must never stop the run
+                    self._drop(watcher, exc)
 
     def flush(self, force: bool = False) -> None:
         with self._lock:
@@ -155,12 +161,15 @@ class EventHub:
         with self._lock:
             self.closed = True
             self._each("close")
-            self._watchers.clear()
+            self._watchers = ()
 
     def _each(self, method: str, *args: Any) -> None:
-        for watcher in list(self._watchers):
+        for watcher in self._watchers:
             try:
                 watcher.call(method, *args)
             except Exception as exc:  # a view's trouble must never stop the run
-                self.errors.append(exc)
-                self._watchers.remove(watcher)
+                self._drop(watcher, exc)
+
+    def _drop(self, watcher: _Watcher, exc: Exception) -> None:
+        self.errors.append(exc)
+        self._watchers = tuple(w for w in self._watchers if w is not watcher)
