@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from nblaunch.notebook.handle import RunHandle, attach, runs
     from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
     from nblaunch.notebook.pool import Pool, start_pool
+    from nblaunch.notebook.pool_detached import attach_pool
 
 __version__ = "0.1.0"
 
@@ -63,6 +64,7 @@ _FRONT_ENDS = {
     "RunHandle": "nblaunch.notebook.handle",
     "runs": "nblaunch.notebook.handle",
     "attach": "nblaunch.notebook.handle",
+    "attach_pool": "nblaunch.notebook.pool_detached",
 }
 
 
@@ -96,6 +98,7 @@ __all__ = [
     "RunStoppedError",
     "all_reduce",
     "attach",
+    "attach_pool",
     "breakpoint",
     "broadcast",
     "broadcast_object_list",

@@ -215,3 +215,64 @@ def test_in_a_kernel_a_pool_cell_in_the_background_keeps_the_pool_busy_then_its_
         assert after["error"] is None and after["result"] == "6", after
     finally:
         kernel.run("%dist stop")
+
+
+def test_a_detached_pool_keeps_its_names_across_a_kernel_restart_and_stop_ends_it(
+    registry, tmp_path
+):
+    first = Kernel(tmp_path)
+    try:
+        first.run("%load_ext nblaunch")
+        started = first.run("%dist start -n 2 --detach", timeout=120)
+        assert "ready" in started["out"], started
+        trained = first.run(
+            "%%distributed\nimport torch\nmodel = torch.nn.Linear(3, 1)\n"
+            "torch.manual_seed(rank)\nwith torch.no_grad(): model.weight.fill_(rank + 0.5)\n"
+            "float(model.weight.sum())"
+        )
+        assert trained["result"] == "1.5", trained
+        entry = detached.find(None, kind="pool")
+        first.manager.restart_kernel(now=True)  # a kernel restart: atexit runs, then SIGKILL
+        first.client.wait_for_ready(timeout=60)
+        assert detached.host_alive(entry.pid)
+        first.run("%load_ext nblaunch")
+        attached = first.run("%dist attach")
+        assert "attached to detached" in attached["out"], attached
+        again = first.run("%%distributed\nfloat(model.weight.sum())")
+        assert again["result"] == "1.5", again  # the model trained before the restart
+        status = first.run("%dist status")
+        assert "2 CPU rank(s)" in status["out"] and "model" in status["out"], status
+        ranks = [p for p in processes_of(entry.pid) if p.pid != entry.pid]
+        assert ranks
+        stopped = first.run("%dist stop", timeout=60)
+        assert "stopped 2 rank(s)" in stopped["out"], stopped
+        assert wait_until(lambda: not processes_of(entry.pid), 10)
+        left = [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert wait_until(lambda: not any(p.is_running() for p in left), 10), [
+            p.cmdline() for p in left if p.is_running()
+        ]
+    finally:
+        first.close()
+
+
+def test_an_idle_detached_pool_ends_by_itself_and_leaves_nothing(registry):
+    pool = nblaunch.start_pool(2, detach=True, display="none", idle_limit=2.0)
+    try:
+        entry = pool.entry
+        assert pool.run(lambda: 7) == [7, 7]
+        pool.detach()  # as a kernel that went away
+        assert wait_until(lambda: not processes_of(entry.pid), 20)
+        assert detached.find(entry.run_id).state == "stopped"
+        with pytest.raises(nblaunch.LaunchError, match="no detached pool is going"):
+            nblaunch.attach_pool()
+    finally:
+        pool.close()
+
+
+def test_detached_pool_arguments_it_cannot_honour_are_refused(registry):
+    with pytest.raises(nblaunch.LaunchError, match="idle_limit"):
+        nblaunch.start_pool(2, detach=True, idle_limit=-1)
+    with pytest.raises(nblaunch.LaunchError, match="leave out num_nodes"):
+        nblaunch.start_pool(2, detach=True, num_nodes=2)
+    with pytest.raises(nblaunch.LaunchError, match="add detach=True"):
+        nblaunch.start_pool(2, idle_limit=10)

@@ -6,7 +6,8 @@ A file's folder says which process it runs in (docs/design.md, "Packages by proc
 - ``nblaunch/engine/`` runs in the notebook's process: shared, ranks and itself, never the
   front ends, IPython or ipywidgets;
 - ``nblaunch/cluster/`` is the other machines: shared, ranks, engine and itself;
-- ``nblaunch/host/`` is a detached run's host process: shared, ranks, engine and itself;
+- ``nblaunch/host/`` is a detached run's host process: shared, ranks, engine, itself, and the
+  notebook's pool (a detached pool's host runs it headless), never IPython or ipywidgets;
 - ``nblaunch/notebook/`` is the front ends, the only package that imports IPython or ipywidgets;
 - the shared modules (``errors``, ``events``, ``options``, ``tracebacks``, ``pickling``) import
   only each other.
@@ -30,7 +31,9 @@ ALLOWED = {
     "ranks": {"shared", "ranks"},
     "engine": {"shared", "ranks", "engine"},
     "cluster": {"shared", "ranks", "engine", "cluster"},
-    "host": {"shared", "ranks", "engine", "host"},
+    # A detached pool's host runs the pool's engine headless (notebook.pool, display "none"),
+    # never IPython itself: the front-end libraries stay the notebook package's alone.
+    "host": {"shared", "ranks", "engine", "notebook", "host"},
     "notebook": {"shared", "ranks", "engine", "cluster", "notebook"},
 }
 FRONT_END_LIBRARIES = {"IPython", "ipywidgets", "ipykernel"}
@@ -197,6 +200,7 @@ PUBLIC = [
     "RunStoppedError",
     "all_reduce",
     "attach",
+    "attach_pool",
     "breakpoint",
     "broadcast",
     "broadcast_object_list",

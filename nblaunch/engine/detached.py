@@ -33,6 +33,7 @@ from nblaunch.engine import wire
 from nblaunch.engine.background import LOST, RUNNING, state_of
 from nblaunch.engine.history import EventHub
 from nblaunch.engine.plan import LaunchPlan
+from nblaunch.engine.run_dirs import RunLease
 from nblaunch.errors import LaunchError, RankFailedError
 
 LAUNCH_FILE = "launch.pkl"  # the plan and payload the host runs
@@ -134,21 +135,23 @@ def entries() -> list[Entry]:
     return sorted(found, key=lambda e: e.started_at, reverse=True)
 
 
-def find(run_id: str | None) -> Entry:
+def find(run_id: str | None, kind: str | None = None) -> Entry:
     """The entry of ``run_id`` (a prefix will do); default: the newest run still going.
+    ``kind``: only runs (``"run"``) or only pools (``"pool"``).
 
     Raises
     ------
     LaunchError
         No such run, or several match: listing what there is.
     """
-    known = entries()
+    known = [e for e in entries() if kind is None or e.kind == kind]
+    what = {"pool": "detached pool", "run": "detached run"}.get(kind or "", "detached run")
     if run_id is None:
         live = [e for e in known if e.live_state == RUNNING]
         if not live:
             raise LaunchError(
-                "no detached run is going on this machine; nblaunch.runs() lists the "
-                "ended ones: attach(run_id) to one of them"
+                f"no {what} is going on this machine; nblaunch.runs() (or the command "
+                "nblaunch runs) lists the ended ones"
             )
         return live[0]
     matches = [e for e in known if e.run_id == run_id] or [
@@ -156,8 +159,8 @@ def find(run_id: str | None) -> Entry:
     ]
     if len(matches) != 1:
         ids = ", ".join(e.run_id for e in known[:10]) or "none"
-        what = "no" if not matches else "more than one"
-        raise LaunchError(f"{what} detached run matches {run_id!r}; detached runs: {ids}")
+        count = "no" if not matches else "more than one"
+        raise LaunchError(f"{count} {what} matches {run_id!r}; known: {ids}")
     return matches[0]
 
 
@@ -169,26 +172,25 @@ def socket_path(run_dir: Path, run_id: str) -> str:
     return path
 
 
-def start_host(plan: LaunchPlan, payload: bytes, *, kind: str = "run", function: str = "") -> Entry:
-    """Start the run host of ``plan`` and return its entry once it serves the run.
+def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
+    """Start a run host for ``run_dir`` and return its entry once it serves.
 
-    The lease on the run directory goes to the host with the descriptor, so nothing can prune
-    the directory between the two.
+    ``launch`` is what the host runs: ``{"kind": "run", "plan": ..., "payload": ...}`` or
+    ``{"kind": "pool", "pool": {...}}``; it is written to the run directory (0600) with the
+    notebook's ``sys.path`` and registry. The lease on the run directory goes to the host with
+    its descriptor, so nothing can prune the directory between the two.
 
     Raises
     ------
     LaunchError
         The host did not start, with the end of its log.
     """
-    assert plan.run_dir is not None and plan.run_lease is not None
-    run_dir = plan.run_dir.resolve()
-    launch = {"plan": dataclasses.replace(plan, run_lease=None), "payload": payload}
-    launch.update(sys_path=list(sys.path), kind=kind, function=function)
-    launch["registry"] = str(registry_dir())
+    run_dir = run_dir.resolve()
+    launch = {**launch, "sys_path": list(sys.path), "registry": str(registry_dir())}
     fd = os.open(run_dir / LAUNCH_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as file:
         pickle.dump(launch, file, protocol=pickle.HIGHEST_PROTOCOL)
-    lease_fd = plan.run_lease.fd
+    lease_fd = lease.fd
     log = os.open(run_dir / HOST_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         host = subprocess.Popen(
@@ -201,8 +203,8 @@ def start_host(plan: LaunchPlan, payload: bytes, *, kind: str = "run", function:
         )
     finally:
         os.close(log)
-    plan.run_lease.release()  # the host holds the lock now
-    entry_path = registry_dir() / f"{plan.run_id}.json"
+    lease.release()  # the host holds the lock now
+    entry_path = registry_dir() / f"{run_dir.name}.json"
     deadline = time.monotonic() + HOST_START_LIMIT_S
     while time.monotonic() < deadline:
         entry = Entry.read(entry_path)
@@ -215,6 +217,14 @@ def start_host(plan: LaunchPlan, payload: bytes, *, kind: str = "run", function:
         host.kill()
     tail = (run_dir / HOST_LOG).read_text(errors="replace")[-2000:]
     raise LaunchError(f"the run host did not start (see {run_dir / HOST_LOG}):\n{tail}")
+
+
+def start_run_host(plan: LaunchPlan, payload: bytes, function: str = "") -> Entry:
+    """Start the run host of a detached one-shot run (``notebook_launcher(detach=True)``)."""
+    assert plan.run_dir is not None and plan.run_lease is not None
+    launch = {"kind": "run", "plan": dataclasses.replace(plan, run_lease=None)}
+    launch.update(payload=payload, function=function)
+    return start_host(plan.run_dir, plan.run_lease, launch)
 
 
 class AttachedRun:

@@ -38,8 +38,18 @@ def main(argv: list[str]) -> int:
     launch = pickle.loads((run_dir / detached.LAUNCH_FILE).read_bytes())
     os.environ["NBLAUNCH_DETACHED_DIR"] = launch["registry"]  # the notebook's registry
     sys.path[:] = launch["sys_path"]  # the ranks import what the notebook could
-    # Held until the outcome is written (the run alone would let go when its ranks ended).
     lease = RunLease.adopt(run_dir, lease_fd)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is no reason to stop
+    if launch["kind"] == "pool":
+        from nblaunch.host.pool import serve_pool
+
+        return serve_pool(run_dir, launch, lease)
+    return run_detached(run_dir, launch, lease)
+
+
+def run_detached(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
+    """Run a one-shot detached run to its end; the lease is held until the outcome is written
+    (the run alone would let go when its ranks ended)."""
     plan = dataclasses.replace(launch["plan"], run_lease=None)
     hub = EventHub()
     run = Run(plan, hub)
@@ -56,7 +66,6 @@ def main(argv: list[str]) -> int:
         function=launch.get("function", ""),
     )
     signal.signal(signal.SIGTERM, lambda *_: run.request_stop())
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is no reason to stop
     server.start()
     entry.write()
     print(f"run host {os.getpid()} serving {plan.run_id} on {server.path}", flush=True)
@@ -67,9 +76,9 @@ def main(argv: list[str]) -> int:
         outcome = {"error": stopped_error(run_dir)}
     except BaseException as exc:  # the run's outcome, for whoever attaches
         outcome = {"error": exc}
-    blob = _pickled(outcome, plan.world_size)
-    _write_private(run_dir / detached.RESULT_FILE, blob)
-    _write_private(run_dir / detached.HISTORY_FILE, pickle.dumps(hub.history.events()))
+    blob = pickled(outcome, plan.world_size)
+    write_private(run_dir / detached.RESULT_FILE, blob)
+    write_private(run_dir / detached.HISTORY_FILE, pickle.dumps(hub.history.events()))
     entry.state = state_of(outcome.get("error"))
     entry.write()
     lease.release()
@@ -78,7 +87,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _pickled(outcome: dict[str, Any], world_size: int) -> bytes:
+def pickled(outcome: dict[str, Any], world_size: int) -> bytes:
     """The outcome as a cloudpickle (a rank's exception may be of a class the notebook made);
     one that will not pickle is told in words."""
     import cloudpickle
@@ -95,7 +104,7 @@ def _pickled(outcome: dict[str, Any], world_size: int) -> bytes:
         return cloudpickle.dumps({"error": error})
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as file:
         file.write(data)

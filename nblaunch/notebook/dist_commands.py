@@ -130,6 +130,11 @@ register_dist_command(
 )
 register_dist_command("stop", "nblaunch.notebook.pool_commands:dist_stop", "stop the pool's ranks")
 register_dist_command(
+    "attach",
+    "nblaunch.notebook.pool_commands:dist_attach",
+    "[ID]  this kernel back on a detached pool (%dist start --detach)",
+)
+register_dist_command(
     "debug",
     "nblaunch.notebook.pool_commands:dist_debug",
     "[--rank R]  post-mortem of the last failed cell",

@@ -142,7 +142,7 @@ def launch_in_background(
     """Start the run of ``plan`` without holding the cell; show its view here unless ``"none"``."""
     control: RunControl
     if detach:
-        entry = detached.start_host(plan, payload, function=function)
+        entry = detached.start_run_host(plan, payload, function)
         control = detached.AttachedRun(entry)
         # The header now, while this cell runs: the view is built in it.
         control.hub.handle(plan.run_info(time.time()))
@@ -188,7 +188,7 @@ def runs() -> RunList:
     found = RunList(reversed(_kernel_runs))
     known = {handle.id for handle in found}
     for entry in detached.entries():
-        if entry.run_id not in known:
+        if entry.kind == "run" and entry.run_id not in known:
             found.append(_DetachedEntry(entry))
     return found
 
@@ -206,7 +206,7 @@ def attach(run_id: str | None = None) -> RunHandle:
     LaunchError
         No such run (the message lists the detached runs).
     """
-    entry = detached.find(run_id)
+    entry = detached.find(run_id, kind="run")
     for handle in _kernel_runs:
         if handle.id == entry.run_id and handle.state == RUNNING:
             return handle

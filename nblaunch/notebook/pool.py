@@ -48,8 +48,12 @@ from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions
 from nblaunch.ranks import namespace
 
 
-def start_pool(num_processes: int | None = None, **options: Any) -> Pool:
+def start_pool(num_processes: int | None = None, *, detach: bool = False, **options: Any) -> Pool:
     """Start ``num_processes`` ranks that stay alive until :meth:`Pool.close`.
+
+    With ``detach=True`` the ranks live under a run host of their own and outlive the kernel
+    (a restart, a crash): ``nblaunch.attach_pool()`` connects a new kernel to them, names and
+    all (see :mod:`nblaunch.notebook.pool_detached`; ``idle_limit=`` seconds, default 24 h).
 
     ``options`` are :class:`Pool`'s keywords (``start_method``, ``debug``, ``log_level``,
     ``hang_timeout``, ``device_type``, ``run_dir``, ``display``, ``num_nodes``, ...); they mean
@@ -68,6 +72,12 @@ def start_pool(num_processes: int | None = None, **options: Any) -> Pool:
     Exception
         A rank's own exception when it failed to start (device, process group).
     """
+    if detach:
+        from nblaunch.notebook.pool_detached import DetachedPool
+
+        return DetachedPool(num_processes, **options).start()
+    if "idle_limit" in options:
+        raise LaunchError("idle_limit= is for detached pools: add detach=True")
     return Pool(num_processes, **options).start()
 
 

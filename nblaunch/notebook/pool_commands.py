@@ -47,6 +47,19 @@ def _start_parser(prog: str) -> Any:
     parser.add_argument("--run-id", dest="rdzv_id", default=None, metavar="ID")
     parser.add_argument("--start-nodes", choices=START_NODES, default=None)
     parser.add_argument("--hostfile", default=None, metavar="PATH")
+    parser.add_argument(
+        "--detach",
+        action="store_true",
+        default=None,
+        help="ranks under a run host of their own: they outlive the kernel (%%dist attach)",
+    )
+    parser.add_argument(
+        "--idle-limit",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --detach: end the pool after S seconds without a cell (default 24 h)",
+    )
     parser.add_argument("-h", "--help", action="store_true")
     return parser
 
@@ -80,6 +93,20 @@ def dist_start(line: str) -> None:
         f"nblaunch pool: {pool.world_size} rank(s){nodes} ready in {pool.start_s:.1f} s "
         f"(pids {', '.join(map(str, pool.pids))}). %%distributed cells now run on it and keep "
         "their state; %dist status, %dist restart, %dist stop."
+    )
+
+
+def dist_attach(line: str) -> None:
+    """``%dist attach [ID]``: connect this kernel to a detached pool (default: the newest)."""
+    from nblaunch.notebook.pool_detached import attach_pool
+
+    try:
+        pool = attach_pool(line.strip() or None)
+    except LaunchError as exc:
+        raise _usage_error(exc) from None
+    print(
+        f"nblaunch pool: attached to {pool.describe()}. %%distributed cells run on it again, "
+        "with the names earlier cells defined."
     )
 
 

@@ -23,7 +23,7 @@ from nblaunch.engine.plan import plan_launch
 from nblaunch.engine.run import Run
 from nblaunch.engine.supervisor import reap_let_go
 from nblaunch.errors import LaunchError, describe_exit
-from nblaunch.events import NullView
+from nblaunch.events import EventSink, NullView
 from nblaunch.notebook import pool_status
 from nblaunch.notebook.pool_status import PoolState
 from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S, AfterTask, run_task
@@ -227,6 +227,7 @@ class PoolRanks:
         timeout: float | None = None,
         hang_timeout: float | None = None,
         background: bool = False,
+        view: EventSink | None = None,
     ) -> Any:
         """Run a serialised ``(function, args, kwargs)`` as one task; return values by rank.
 
@@ -248,6 +249,9 @@ class PoolRanks:
             Return a :class:`~nblaunch.notebook.handle.RunHandle` at once and run the task in a
             thread; the pool is busy (a cell on it says so) until the task ends, and
             ``handle.stop()`` interrupts it as the interrupt button would, keeping the names.
+        view
+            Where the task's events go, instead of the view ``display`` names (a detached
+            pool's host sends them to the notebook).
 
         Raises
         ------
@@ -268,7 +272,8 @@ class PoolRanks:
             return _task_in_background(
                 self, payload, task_ranks, mode, description, timeout, hang_timeout
             )
-        view = choose_view(mode, defer="always")
+        if view is None:
+            view = choose_view(mode, defer="always")
         return self._run_task(payload, task_ranks, view, description, timeout, hang_timeout)
 
     def _run_task(
@@ -438,6 +443,6 @@ def _task_in_background(
 
 def _close_current() -> None:
     pool = current_pool()
-    if pool is not None:
+    if pool is not None and not getattr(pool, "detached", False):  # a detached one goes on
         with contextlib.suppress(Exception):
             pool.close()

@@ -1,0 +1,261 @@
+"""A detached pool's host: the pool's ranks and their names, kept across kernels.
+
+The host runs the pool's own engine headless (:class:`~nblaunch.notebook.pool.Pool` with
+``display="none"``: nothing of IPython is imported) and takes requests from one notebook at a
+time on its socket (:mod:`nblaunch.engine.wire`): ``("task", {...})`` runs a task and streams
+its events back, then ``("outcome", bytes)``; ``("interrupt", None)`` interrupts the running task
+as the interrupt button would; ``("status", None)``, ``("restart", None)`` and ``("close",
+None)``. A notebook that attaches later (a new kernel) replaces the one before and is sent
+``("info", {...})``. The pool ends on ``close``, on SIGTERM (``nblaunch runs stop``) or when it
+was idle for its idle limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from nblaunch.engine import detached, wire
+from nblaunch.engine.background import RUNNING, STOPPED
+from nblaunch.engine.run_dirs import RunLease
+from nblaunch.events import Event
+from nblaunch.host.main import pickled, write_private
+from nblaunch.notebook.pool import Pool
+
+INFO, STATUS, TASK, INTERRUPT, RESTART, CLOSE = (
+    "info",
+    "status",
+    "task",
+    "interrupt",
+    "restart",
+    "close",
+)
+# How often the host looks at its idle limit (and at SIGTERM).
+_TICK_S = 0.5
+
+
+def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
+    """Start the pool ``launch`` describes and serve it until it ends."""
+    spec = launch["pool"]
+    # The pool leases its directory itself as it plans (one lease per directory per process).
+    lease.release()
+    pool = Pool(spec["num_processes"], display="none", run_dir=run_dir, **spec["options"])
+    entry = detached.Entry(
+        run_id=run_dir.name,
+        run_dir=run_dir,
+        pid=os.getpid(),
+        socket=detached.socket_path(run_dir, run_dir.name),
+        kind="pool",
+        started_at=time.time(),
+        world_size=0,
+        state=RUNNING,
+    )
+    try:
+        pool.start()
+    except BaseException as exc:  # the notebook raises it (start_pool)
+        write_private(run_dir / detached.RESULT_FILE, pickled({"error": exc}, 1))
+        print(f"pool host {os.getpid()}: the pool did not start: {exc!r}", flush=True)
+        return 0
+    server = PoolServer(entry.socket, pool, spec["idle_limit_s"])
+    entry.world_size = pool.world_size
+    entry.write()
+    print(f"pool host {os.getpid()} serving {entry.run_id} on {server.path}", flush=True)
+    try:
+        why = server.serve()
+    finally:
+        pool.close()
+        server.close()
+    entry.state = STOPPED if why in ("stopped", "idle") else "done"
+    entry.write()
+    print(f"pool host {os.getpid()}: the pool ended ({why})", flush=True)
+    return 0
+
+
+def pool_info(pool: Pool) -> dict[str, Any]:
+    """What a notebook needs to show and check the pool without asking again."""
+    return {
+        "world_size": pool.world_size,
+        "pids": pool.pids,
+        "describe": pool.describe(),
+        "state": pool.state.value,
+        "problem": pool.problem,
+        "start_s": pool.start_s,
+        "started_at": pool.started_at,
+        "run_dir": str(pool.engine.plan.run_dir) if pool.engine is not None else "",
+    }
+
+
+class TaskFeed:
+    """The events of one task, sent to the notebook that asked for it in batches (a view)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.gone = False
+        self._batch: list[Event] = []
+
+    def handle(self, event: Event) -> None:
+        self._batch.append(event)
+
+    def flush(self, force: bool = False) -> None:
+        if not self._batch or self.gone:
+            self._batch.clear()
+            return
+        batch, self._batch = self._batch, []
+        try:
+            wire.send(self.sock, wire.EVENTS, batch)
+        except OSError:
+            self.gone = True  # the notebook went away; the task goes on, its logs have it all
+
+    def close(self) -> None:
+        self.flush()
+
+
+class PoolServer:
+    """Serves ``pool`` on ``path`` until it is closed, stopped or idle too long."""
+
+    def __init__(self, path: str, pool: Pool, idle_limit_s: float) -> None:
+        self.pool = pool
+        self.idle_limit_s = idle_limit_s
+        self.client: socket.socket | None = None
+        self.last_active = time.monotonic()
+        self.stopping = False
+        self._messages: queue.Queue[tuple[str, Any, socket.socket]] = queue.Queue()
+        self._task_running = False
+        if os.path.exists(path):
+            os.unlink(path)
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_mask = os.umask(0o177)  # 0600 from the start
+        try:
+            self.sock.bind(path)
+        finally:
+            os.umask(old_mask)
+        self.sock.listen(4)
+
+    def serve(self) -> str:
+        """Answer requests until the pool should end; returns why (``closed``, ``stopped``,
+        ``idle``)."""
+        threading.Thread(target=self._accept, name="nblaunch-pool-accept", daemon=True).start()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        while True:
+            try:
+                kind, body, sock = self._messages.get(timeout=_TICK_S)
+            except queue.Empty:
+                if self.stopping:
+                    return "stopped"
+                if time.monotonic() - self.last_active > self.idle_limit_s:
+                    return "idle"
+                continue
+            if kind == "connect":
+                self._take_over(sock)
+            elif kind == "gone":
+                if sock is self.client:
+                    self.client = None
+            elif sock is self.client and self._answer(kind, body, sock):
+                return "closed"
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.client is not None:
+            self.client.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def _answer(self, kind: str, body: Any, sock: socket.socket) -> bool:
+        """Answer one request; True when the pool is to close."""
+        self.last_active = time.monotonic()
+        if kind == TASK:
+            self._run_task(body, sock)
+        elif kind == STATUS:
+            wire.send(sock, STATUS, {"rows": self.pool.status(), "text": self.pool.status_text()})
+        elif kind == RESTART:
+            error = None
+            try:
+                self.pool.restart()
+            except Exception as exc:
+                error = exc
+            wire.send(sock, INFO, {**pool_info(self.pool), "error": error})
+        elif kind == CLOSE:
+            return True
+        self.last_active = time.monotonic()
+        return False
+
+    def _run_task(self, request: dict[str, Any], sock: socket.socket) -> None:
+        import cloudpickle
+
+        feed = TaskFeed(sock)
+        self._task_running = True
+        try:
+            values = self.pool.run_payload(
+                request["payload"],
+                ranks=request["ranks"],
+                description=request["description"],
+                view=feed,
+                timeout=request["timeout"],
+                hang_timeout=request["hang_timeout"],
+            )
+            outcome: dict[str, Any] = {"values": values}
+        except BaseException as exc:  # the task's outcome, the notebook raises it
+            outcome = {"error": exc}
+        finally:
+            self._task_running = False
+        outcome["info"] = pool_info(self.pool)
+        try:
+            blob = cloudpickle.dumps(outcome)
+        except Exception as exc:
+            blob = cloudpickle.dumps(
+                {"error": TypeError(f"the task's outcome could not be pickled: {exc}")}
+            )
+        if not feed.gone:
+            with contextlib.suppress(OSError):
+                wire.send(sock, wire.OUTCOME, blob)
+
+    # --- threads ---------------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                return
+            self._messages.put(("connect", None, sock))
+
+    def _take_over(self, sock: socket.socket) -> None:
+        """A notebook attached: it replaces the one before (a restarted kernel's)."""
+        if self.client is not None:
+            self.client.close()
+        self.client = sock
+        self.last_active = time.monotonic()
+        try:
+            wire.send(sock, INFO, pool_info(self.pool))
+        except OSError:
+            self.client = None
+            return
+        threading.Thread(target=self._read, args=(sock,), daemon=True).start()
+
+    def _read(self, sock: socket.socket) -> None:
+        try:
+            while (message := wire.receive(sock)) is not None:
+                kind, body = message
+                if kind == INTERRUPT:
+                    if self._task_running and self.pool.engine is not None:
+                        self.pool.engine.request_stop()
+                else:
+                    self._messages.put((kind, body, sock))
+        except (OSError, EOFError, ValueError):
+            pass
+        self._messages.put(("gone", None, sock))
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+        if self._task_running and self.pool.engine is not None:
+            self.pool.engine.request_stop()

@@ -1,0 +1,311 @@
+"""``DetachedPool``: a pool whose ranks live under a run host, so they outlive the kernel.
+
+``start_pool(n, detach=True)`` (``%dist start -n N --detach``) starts a run host
+(:mod:`nblaunch.host.pool`) that starts the pool and keeps it; this kernel is its client. After
+a kernel restart, ``attach_pool()`` (``%dist attach``) connects a new kernel to the same ranks,
+with the names earlier cells defined. Cells, ``%dist push/pull/status/restart/stop`` work as on a
+pool of the kernel's own: every task still runs through the pool's engine, in the host, and its
+events come back to this cell's view. The pool ends on ``%dist stop`` (``close()``), on
+``nblaunch runs stop ID``, or after ``idle_limit`` seconds without a cell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import select
+import socket
+import time
+from typing import Any
+
+from nblaunch.engine import detached, wire
+from nblaunch.engine.run_dirs import new_run_dir
+from nblaunch.errors import LaunchError
+from nblaunch.notebook import pool_ranks
+from nblaunch.notebook.pool import Pool
+from nblaunch.notebook.pool_status import PoolState
+from nblaunch.notebook.pool_task import TaskGuard
+from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
+
+# A detached pool with no cell for this long ends, and its host with it.
+DEFAULT_IDLE_LIMIT_S = 24 * 3600.0
+_MULTI_NODE = ("num_nodes", "rdzv_endpoint", "rdzv_timeout", "rdzv_id", "start_nodes", "hostfile")
+
+
+class DetachedPool(Pool):
+    """A pool served by a run host of its own; see the module docstring.
+
+    Parameters
+    ----------
+    num_processes, **options
+        As for :class:`~nblaunch.notebook.pool.Pool` (one machine only).
+    idle_limit
+        Seconds without a cell after which the pool ends (default 24 h).
+    """
+
+    detached = True
+
+    def __init__(
+        self,
+        num_processes: int | None = None,
+        *,
+        idle_limit: float = DEFAULT_IDLE_LIMIT_S,
+        **options: Any,
+    ) -> None:
+        given = [name for name in _MULTI_NODE if options.get(name) is not None]
+        if given or "backend" in options or "clock" in options:
+            raise LaunchError(
+                f"a detached pool runs on this machine, with real processes: leave out "
+                f"{', '.join(given) or 'backend/clock'}"
+            )
+        if not (isinstance(idle_limit, (int, float)) and idle_limit > 0):
+            raise LaunchError(f"idle_limit={idle_limit!r}: give seconds, a positive number")
+        options.setdefault("hang_timeout", DEFAULT_HANG_TIMEOUT_S)
+        super().__init__(num_processes, **options)
+        # What the host's Pool is made with (its view is this kernel's, so no display).
+        self._host_options = {k: v for k, v in options.items() if k not in ("display", "run_dir")}
+        self.idle_limit = float(idle_limit)
+        self.entry: detached.Entry | None = None
+        self._sock: socket.socket | None = None
+        self._info: dict[str, Any] = {}
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> DetachedPool:
+        """Start the run host, which starts the ranks; returns once they all joined.
+
+        Raises
+        ------
+        LaunchError
+            Another pool is running, or the host did not start.
+        Exception
+            A rank's own exception when it failed to start.
+        """
+        other = pool_ranks.current_pool()
+        if other is not None:
+            raise LaunchError(
+                f"a pool is already running: {other.describe()}. Stop it first (%dist stop)."
+            )
+        began = time.monotonic()
+        run_dir, lease = new_run_dir(self.options.run_dir)
+        launch = {
+            "kind": "pool",
+            "pool": {
+                "num_processes": self.num_processes,
+                "options": self._host_options,
+                "idle_limit_s": self.idle_limit,
+            },
+        }
+        try:
+            entry = detached.start_host(run_dir, lease, launch)
+        except LaunchError:
+            failure = run_dir / detached.RESULT_FILE  # the ranks' own error, when they failed
+            if failure.exists():
+                raise pickle.loads(failure.read_bytes())["error"] from None
+            raise
+        self._connect(entry)
+        self.start_s = time.monotonic() - began
+        return self
+
+    @classmethod
+    def attach(cls, run_id: str | None = None) -> DetachedPool:
+        """Connect to a detached pool of this machine (default: the newest still running)."""
+        current = pool_ranks.current_pool()
+        if current is not None:
+            if getattr(current, "detached", False) and current.state is not PoolState.CLOSED:
+                return current  # type: ignore[return-value]
+            raise LaunchError(f"a pool is already running here: {current.describe()}")
+        entry = detached.find(run_id, kind="pool")
+        pool = cls()
+        pool._connect(entry)
+        return pool
+
+    def _connect(self, entry: detached.Entry) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(entry.socket)
+            message = wire.receive(sock)
+        except OSError as exc:
+            sock.close()
+            raise LaunchError(f"cannot reach the pool's host (pid {entry.pid}): {exc}") from None
+        if message is None or message[0] != "info":
+            sock.close()
+            raise LaunchError(f"the pool's host (pid {entry.pid}) did not answer")
+        self.entry, self._sock = entry, sock
+        self._take_info(message[1])
+        self.started_at = self._info["started_at"]
+        pool_ranks._current = self
+
+    def _take_info(self, info: dict[str, Any]) -> None:
+        self._info = info
+        self.state = PoolState(info["state"])
+        self.problem = info.get("problem", "")
+
+    def _close(self, rejoin: bool) -> None:
+        if self.state is PoolState.CLOSED or self._sock is None:
+            return
+        if rejoin:  # restart(): fresh ranks, in the same host
+            info = self._ask("restart", "info")
+            self._take_info(info)
+            if info.get("error") is not None:
+                raise info["error"]
+            return
+        with contextlib.suppress(OSError):
+            wire.send(self._sock, "close", None)
+        self._disconnect()
+        assert self.entry is not None
+        deadline = time.monotonic() + 15.0
+        while detached.host_alive(self.entry.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.state = PoolState.CLOSED
+
+    def restart(self, num_nodes: int | None = None) -> DetachedPool:
+        if num_nodes is not None:
+            raise LaunchError("num_nodes: a detached pool runs on this machine only")
+        self._close(rejoin=True)
+        self.restarts += 1
+        return self
+
+    def detach(self) -> None:
+        """Let go of the pool, which goes on; ``attach_pool()`` gets it back."""
+        self._disconnect()
+        self.state = PoolState.CLOSED  # closed here, not there
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if pool_ranks._current is self:
+            pool_ranks._current = None
+
+    def __del__(self) -> None:  # the pool goes on without this kernel
+        with contextlib.suppress(Exception):
+            if self._sock is not None:
+                self._sock.close()
+
+    # --- tasks -----------------------------------------------------------------------------------
+
+    def run_payload(
+        self,
+        payload: bytes,
+        *,
+        ranks: list[int] | None = None,
+        description: str = "",
+        display: str | None = None,
+        timeout: float | None = None,
+        hang_timeout: float | None = None,
+        background: bool = False,
+        view: Any = None,
+    ) -> Any:
+        """Run one task on the host's pool; its events show in this cell's view. The
+        interrupt button interrupts the task there (the names stay)."""
+        from nblaunch.notebook.views import choose_view
+
+        if background:
+            raise LaunchError("--bg runs on a pool of this kernel's own; leave it out here")
+        self._check_usable()
+        if view is None:
+            view = choose_view(display or self.display, defer="always")
+        request = {
+            "payload": payload,
+            "ranks": ranks,
+            "description": description,
+            "timeout": timeout,
+            "hang_timeout": self.options.hang_timeout if hang_timeout is None else hang_timeout,
+        }
+        assert self._sock is not None
+        guard = TaskGuard()  # an interrupt only counts: it is sent, never half-read
+        previous = guard.install()
+        try:
+            wire.send(self._sock, "task", request)
+            outcome = self._follow(view, guard)
+        finally:
+            guard.uninstall(previous)
+        self._take_info(outcome.pop("info"))
+        self.tasks_run += 1
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["values"]
+
+    def _follow(self, view: Any, guard: TaskGuard) -> dict[str, Any]:
+        """Show the task's events until its outcome comes."""
+        assert self._sock is not None
+        sent_interrupts = 0
+        try:
+            while True:
+                if guard.interrupts > sent_interrupts:
+                    sent_interrupts = guard.interrupts
+                    wire.send(self._sock, "interrupt", None)
+                if not select.select([self._sock], [], [], 0.05)[0]:
+                    view.flush()
+                    continue
+                message = wire.receive(self._sock)
+                if message is None:
+                    raise LaunchError(
+                        f"the pool's host (pid {self.entry.pid if self.entry else '?'}) went "
+                        "away during the cell; see host.log in the pool's run directory"
+                    )
+                kind, body = message
+                if kind == wire.EVENTS:
+                    for event in body:
+                        view.handle(event)
+                    view.flush()
+                elif kind == wire.OUTCOME:
+                    return pickle.loads(body)
+        finally:
+            view.close()
+
+    def _ask(self, kind: str, answer: str) -> Any:
+        assert self._sock is not None
+        wire.send(self._sock, kind, None)
+        while (message := wire.receive(self._sock)) is not None:
+            if message[0] == answer:
+                return message[1]
+        raise LaunchError("the pool's host went away")
+
+    def _check_usable(self) -> None:
+        if self.state is PoolState.CLOSED or self._sock is None:
+            raise LaunchError("the detached pool is not attached here: %dist attach")
+        if self.state is PoolState.BROKEN:
+            raise LaunchError(
+                f"the pool cannot run cells: {self.problem}. Run %dist restart for fresh ranks, "
+                "or %dist stop."
+            )
+
+    def debug(self, rank: int | None = None) -> None:
+        raise LaunchError("%dist debug needs a pool of this kernel's own (the prompts wait here)")
+
+    # --- information -----------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return int(self._info.get("world_size", 0))
+
+    @property
+    def pids(self) -> list[int | None]:
+        return list(self._info.get("pids", []))
+
+    def describe(self) -> str:
+        host = f"host pid {self.entry.pid}, " if self.entry else ""
+        return f"detached ({host}id {self.entry.run_id if self.entry else '?'}): " + (
+            self._info.get("describe", "not started")
+        )
+
+    def status(self) -> list[dict[str, Any]]:
+        return self._ask("status", "status")["rows"]
+
+    def status_text(self) -> str:
+        return self.describe() + "\n" + self._ask("status", "status")["text"]
+
+
+def attach_pool(run_id: str | None = None) -> DetachedPool:
+    """Connect this kernel to a detached pool (default: the newest one running); its ranks keep
+    the names earlier cells defined, and ``%%distributed`` cells run on it again.
+
+    Raises
+    ------
+    LaunchError
+        No detached pool is running (the message lists the detached runs), or this kernel
+        runs a pool of its own.
+    """
+    return DetachedPool.attach(run_id)
