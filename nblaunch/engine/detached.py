@@ -57,8 +57,14 @@ def registry_dir() -> Path:
     """
     chosen = os.environ.get("NBLAUNCH_DETACHED_DIR")
     path = Path(chosen) if chosen else Path(tempfile.gettempdir()) / f"nblaunch-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.stat()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.stat()
+    except OSError as exc:
+        raise LaunchError(
+            f"cannot use {path} as the registry of detached runs ({exc.strerror or exc}); "
+            "set NBLAUNCH_DETACHED_DIR to a directory of your own"
+        ) from None
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise LaunchError(
             f"{path} (the registry of detached runs) must be yours and private (0700); "

@@ -25,8 +25,10 @@ from nblaunch.engine.history import EventHub
 from nblaunch.engine.plan import LaunchPlan
 from nblaunch.engine.run import Run
 
-# Handles of this kernel's background and detached runs, oldest first.
+# Handles of this kernel's background and detached runs, oldest first; past MAX_REMEMBERED the
+# oldest ended ones are forgotten (each keeps its run's history for views).
 _kernel_runs: list[RunHandle] = []
+MAX_REMEMBERED = 100
 # How often a wait looks up: an interrupt is seen within this (the run goes on).
 _WAIT_STEP_S = 0.1
 
@@ -162,6 +164,9 @@ def launch_in_background(
 def remember(handle: RunHandle) -> RunHandle:
     """List ``handle`` among this kernel's runs (``runs()``); returns it."""
     _kernel_runs.append(handle)
+    ended = [h for h in _kernel_runs if h.done()]
+    for old in ended[: max(0, len(_kernel_runs) - MAX_REMEMBERED)]:
+        _kernel_runs.remove(old)
     return handle
 
 
