@@ -12,6 +12,7 @@ import time
 from typing import TextIO
 
 from nblaunch.events import Event, RunState
+from nblaunch.options import DEFAULT_LINE_PREFIX, format_line_prefix
 
 
 class TextView:
@@ -21,6 +22,15 @@ class TextView:
     writes; a ``\\r`` progress line is printed at most once a second per rank, and its last state
     once, when the line ends (a bar that was cleared leaves nothing). Ranks' stderr,
     logs and nblaunch's notes go to stderr, the rest to stdout, in the order they happened.
+
+    ``line_prefix`` is a template (Accelerate's and torchrun's ``log_line_prefix_template``:
+    ``${rank}``, ``${local_rank}``, ``${role_name}``); ``ranks_per_node`` makes local ranks of a
+    multi-node run's global ones.
+
+    Raises
+    ------
+    LaunchError
+        A ``line_prefix`` that cannot be filled in.
     """
 
     def __init__(
@@ -29,7 +39,13 @@ class TextView:
         stderr: TextIO | None = None,
         *,
         max_rate: float = 20.0,
+        line_prefix: str = DEFAULT_LINE_PREFIX,
+        ranks_per_node: int | None = None,
     ) -> None:
+        format_line_prefix(line_prefix, 0)  # a bad template is named before the run starts
+        self._line_prefix = line_prefix
+        self._ranks_per_node = ranks_per_node
+        self._prefixes: dict[int, str] = {}
         self._stdout = stdout
         self._stderr = stderr
         self._pending: list[tuple[bool, str]] = []  # (to stderr?, text), in arrival order
@@ -62,13 +78,12 @@ class TextView:
                 self._bars.discard(key)
                 if not event["text"].strip():
                     return  # the bar was cleared (tqdm's leave=False): nothing to keep
-            self._pending.append((event["fd"] == 2, f"[rank {rank}] {event['text']}\n"))
+            self._pending.append((event["fd"] == 2, f"{self.prefix(rank)}{event['text']}\n"))
         elif kind == "log":
-            self._pending.append(
-                (True, f"[rank {event['rank']}] {event['level']} {event['message']}\n")
-            )
+            line = f"{self.prefix(event['rank'])}{event['level']} {event['message']}\n"
+            self._pending.append((True, line))
         elif kind == "progress":
-            self._pending.append((False, f"[rank {event['rank']}] {event['text']}\n"))
+            self._pending.append((False, f"{self.prefix(event['rank'])}{event['text']}\n"))
         elif kind == "run_info":
             self.world_size = event["world_size"]
             line = (
@@ -82,15 +97,22 @@ class TextView:
             self._pending.extend((False, f"nblaunch: warning: {w}\n") for w in event["warnings"])
         elif kind == "state":
             if event["state"] in (RunState.STALLED, RunState.RETRYING) and event["detail"]:
-                self._pending.append(
-                    (True, f"[rank {event['rank']}] {event['state'].value}: {event['detail']}\n")
-                )
+                line = f"{self.prefix(event['rank'])}{event['state'].value}: {event['detail']}\n"
+                self._pending.append((True, line))
         elif kind == "diagnosis":
             if event["severity"] != "error":  # errors are raised; the traceback shows them
                 self._pending.append((True, f"nblaunch: {event['title']}\n{event['body']}\n"))
         elif kind == "run_ended":
             summary = _summary_text(event["ok"], event["elapsed_s"], event["ranks"])
             self._pending.append((False, summary))
+
+    def prefix(self, rank: int) -> str:
+        """What ``rank``'s lines start with."""
+        text = self._prefixes.get(rank)
+        if text is None:
+            local = rank % self._ranks_per_node if self._ranks_per_node else rank
+            text = self._prefixes[rank] = format_line_prefix(self._line_prefix, rank, local)
+        return text
 
     def flush(self, force: bool = False) -> None:
         now = time.monotonic()
