@@ -212,8 +212,9 @@ def checkpointing_loop(checkpoint_dir):
                 time.sleep(0.01)
             raise ValueError(f"rank 1 failed at step {step}")
         dist.barrier()  # the step's collective: rank 0 waits here for the failed rank 1
-        if rank == 0:
-            path.write_text(json.dumps({"step": step}))
+        if rank == 0:  # written whole, then renamed: a reader never sees half a file
+            path.with_suffix(".tmp").write_text(json.dumps({"step": step}))
+            path.with_suffix(".tmp").replace(path)
     return attempt, start
 
 
