@@ -1,0 +1,95 @@
+"""Alike lines of many ranks, folded into one: what "All ranks" shows.
+
+Eight ranks running the same loop print every line eight times. A line that several ranks
+print alike, within a short window of each other, is shown once with the ranks that printed
+it: ``[0-7] epoch 0 step 40 lr 0.05``. Lines that differ only in their numbers fold too, each
+number that differs shown as its range: ``[0-7] loss 0.41 … 0.44``. Pure functions of the kept
+lines: the exact lines stay one hover (the folded line's title) or one rank away, and the rank
+logs on disk keep every byte.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from nblaunch.notebook.views.model import FD, RANK, TEXT, Line
+
+# A number as ranks print them: 40, -3, 0.4121, 1e-05.
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+# How far apart (in lines of "All ranks", per rank of the run) the copies of a line may come.
+WINDOW_PER_RANK = 4
+
+
+@dataclass
+class Fold:
+    """One line as "All ranks" shows it: the alike lines of one or more ranks."""
+
+    first: int  # where its first line came, among the lines folded
+    lines: list[Line] = field(default_factory=list)  # one per rank, in arrival order
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(line[RANK] for line in self.lines)
+
+    @property
+    def fd(self) -> int:
+        return self.lines[0][FD]
+
+    def text(self) -> str:
+        """The line, each number that differs between ranks shown as ``low … high``."""
+        texts = [line[TEXT] for line in self.lines]
+        if len(set(texts)) == 1:
+            return texts[0]
+        numbers = [NUMBER.findall(text) for text in texts]
+        pieces = NUMBER.split(texts[0])
+        out = [pieces[0]]
+        for slot, piece in enumerate(pieces[1:]):
+            values = [found[slot] for found in numbers]
+            if len(set(values)) == 1:
+                out.append(values[0])
+            else:
+                ordered = sorted(values, key=float)
+                out.append(f"{ordered[0]} … {ordered[-1]}")
+            out.append(piece)
+        return "".join(out)
+
+    def exact(self) -> str:
+        """The folded lines as the ranks printed them, ``[rank] text`` each."""
+        return "\n".join(f"[{line[RANK]}] {line[TEXT]}" for line in self.lines)
+
+
+def fold_lines(lines: Sequence[Line], world_size: int) -> list[Fold]:
+    """``lines`` (in arrival order) folded: each line joins the latest fold of lines alike
+    (the same stream, the same text but for its numbers) that its rank is not in yet, if that
+    fold began at most ``WINDOW_PER_RANK * world_size`` lines before; otherwise it begins one.
+    """
+    window = WINDOW_PER_RANK * max(1, world_size)
+    folds: list[Fold] = []
+    latest: dict[tuple[int, str], tuple[Fold, set[int]]] = {}
+    for index, line in enumerate(lines):
+        text = line[TEXT]
+        key = (line[FD], NUMBER.sub("#", text) if text.strip() else f"\0{index}")
+        found = latest.get(key)
+        if found is not None:
+            fold, ranks = found
+            if line[RANK] not in ranks and index - fold.first <= window:
+                fold.lines.append(line)
+                ranks.add(line[RANK])
+                continue
+        fold = Fold(index, [line])
+        folds.append(fold)
+        latest[key] = (fold, {line[RANK]})
+    return folds
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """Sorted ranks as runs: ``[0, 1, 2, 3, 5, 7]`` is ``"0-3,5,7"``."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

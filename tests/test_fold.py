@@ -1,0 +1,64 @@
+"""Alike lines of many ranks folded in "All ranks": pure functions of the kept lines."""
+
+from __future__ import annotations
+
+from test_views import fed, line, run_info
+
+from nblaunch.notebook.views import render
+from nblaunch.notebook.views.fold import fold_lines, rank_ranges
+
+
+def folded(lines, world_size=8):
+    return [(fold.ranks, fold.text()) for fold in fold_lines(lines, world_size)]
+
+
+def test_a_line_every_rank_prints_alike_shows_once_with_its_ranks():
+    lines = [[r, 1, "epoch 0 step 40 lr 0.05"] for r in range(8)]
+    assert folded(lines) == [(list(range(8)), "epoch 0 step 40 lr 0.05")]
+
+
+def test_lines_that_differ_in_numbers_fold_with_each_differing_number_as_its_range():
+    lines = [[r, 1, f"step 40 loss {0.41 + r / 100:.2f} lr 0.05"] for r in (3, 0, 1, 2)]
+    assert folded(lines) == [([0, 1, 2, 3], "step 40 loss 0.41 … 0.44 lr 0.05")]
+    (fold,) = fold_lines(lines, 8)
+    assert fold.exact().splitlines()[0] == "[3] step 40 loss 0.44 lr 0.05"  # as printed
+
+
+def test_a_rank_never_folds_with_itself_nor_with_a_copy_outside_the_window():
+    steps = [[0, 1, f"step {i}"] for i in range(3)]
+    assert folded(steps) == [([0], "step 0"), ([0], "step 1"), ([0], "step 2")]
+    # Rank 1's copy comes 2 * 4 + 1 lines after rank 0's: another fold.
+    late = [[0, 1, "ready"], *([[0, 1, ""]] * 8), [1, 1, "ready"]]
+    assert [ranks for ranks, text in folded(late, 2) if text] == [[0], [1]]
+
+
+def test_interleaved_loops_fold_step_by_step_and_streams_apart():
+    lines = []
+    for step in (1, 2):
+        for rank in range(4):
+            lines.append([rank, 1, f"step {step}"])
+            lines.append([rank, 2, f"warning at step {step}"])
+    assert folded(lines, 4) == [
+        ([0, 1, 2, 3], "step 1"),
+        ([0, 1, 2, 3], "warning at step 1"),
+        ([0, 1, 2, 3], "step 2"),
+        ([0, 1, 2, 3], "warning at step 2"),
+    ]
+    assert folded([[0, 1, ""], [1, 1, ""]]) == [([0], ""), ([1], "")]  # blank lines stay
+
+
+def test_rank_ranges_are_runs():
+    assert rank_ranges([7, 0, 1, 2, 3, 5]) == "0-3,5,7"
+    assert rank_ranges([4]) == "4"
+
+
+def test_all_ranks_shows_folded_lines_with_the_exact_ones_on_hover():
+    events = [line(r, f"loss {0.5 + r / 10:.1f}") for r in range(8)]
+    model = fed(run_info(world_size=8), *events, line(2, "only two", fd=2))
+    everything = render.log_html(model, None, max_line_chars=100)
+    assert everything.count("nbl-tag") == 2
+    assert "[0-7]</span> loss 0.5 … 1.2\n" in everything
+    assert "title='[0] loss 0.5\n[1] loss 0.6" in everything
+    assert "[2]</span> <span class='nbl-err'>only two</span>" in everything
+    # A rank's tab keeps its own lines as printed.
+    assert "loss 0.7\n" in render.log_html(model, 2, max_line_chars=100)
