@@ -295,11 +295,12 @@ class NodeOptions:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-def format_line_prefix(template: str, rank: int, local_rank: int | None = None) -> str:
+def format_line_prefix(template: str, rank: int | str, local_rank: int | str | None = None) -> str:
     """The prefix of ``rank``'s lines from ``template`` (``log_line_prefix_template``).
 
     Fields are torchrun's, ``${rank}``, ``${local_rank}`` and ``${role_name}`` (always
-    ``default``), or the same in ``str.format``'s braces: ``"[{rank}] "``.
+    ``default``), or the same in ``str.format``'s braces: ``"[{rank}] "``. A line several
+    ranks printed alike has their ranges as ``rank`` (``"0-7"``).
 
     Raises
     ------

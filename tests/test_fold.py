@@ -27,9 +27,9 @@ def test_lines_that_differ_in_numbers_fold_with_each_differing_number_as_its_ran
 def test_a_rank_never_folds_with_itself_nor_with_a_copy_outside_the_window():
     steps = [[0, 1, f"step {i}"] for i in range(3)]
     assert folded(steps) == [([0], "step 0"), ([0], "step 1"), ([0], "step 2")]
-    # Rank 1's copy comes 2 * 4 + 1 lines after rank 0's: another fold.
-    late = [[0, 1, "ready"], *([[0, 1, ""]] * 8), [1, 1, "ready"]]
-    assert [ranks for ranks, text in folded(late, 2) if text] == [[0], [1]]
+    # Rank 1's copy comes 4 * 4 + 1 lines after rank 0's: another fold.
+    late = [[0, 1, "ready"], *([[0, 1, ""]] * 16), [1, 1, "ready"]]
+    assert [ranks for ranks, text in folded(late, 4) if text] == [[0], [1]]
 
 
 def test_interleaved_loops_fold_step_by_step_and_streams_apart():
@@ -45,6 +45,9 @@ def test_interleaved_loops_fold_step_by_step_and_streams_apart():
         ([0, 1, 2, 3], "warning at step 2"),
     ]
     assert folded([[0, 1, ""], [1, 1, ""]]) == [([0], ""), ([1], "")]  # blank lines stay
+    # Two ranks: their lines read well apart, and each number stays exact.
+    two = [[0, 1, "loss 0.4"], [1, 1, "loss 0.5"]]
+    assert folded(two, 2) == [([0], "loss 0.4"), ([1], "loss 0.5")]
 
 
 def test_rank_ranges_are_runs():

@@ -4,11 +4,14 @@ test_browser.py."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from test_widgets import displayed, line, run_info, state  # noqa: F401  (a fixture)
 
 from nblaunch.events import RunState
-from nblaunch.notebook.views import LaunchView
+from nblaunch.notebook.views import LaunchView, TextView
+from nblaunch.notebook.views.text import _summary_text
 
 
 def sixty_four_ranks(view) -> None:
@@ -102,3 +105,36 @@ def test_the_summary_of_64_ranks_is_grouped_by_state(big):
     assert "--- rank 17, last 2 lines" in lines and "--- rank 3, last 2 lines" not in lines
     html = big.summary_bundle()["text/html"]
     assert html.count("<tr>") == 3 and "62 (0-16,18-39,41-63)" in html
+
+
+def test_the_text_view_folds_alike_lines_from_four_ranks_on():
+    out = io.StringIO()
+    view = TextView(out, out)
+    view.handle(run_info(world_size=8))
+    for rank in range(8):
+        view.handle(line(rank, f"epoch 0 step 40 loss {0.41 + rank / 100:.2f}"))
+    view.handle(line(3, "only three", fd=2))
+    view.handle({"kind": "log", "rank": 5, "level": "INFO", "message": "saved", "name": "x"})
+    view.close()
+    written = out.getvalue().splitlines()[-3:]
+    assert written == [
+        "[rank 0-7] epoch 0 step 40 loss 0.41 … 0.48",
+        "[rank 3] only three",
+        "[rank 5] INFO saved",
+    ]
+    two = io.StringIO()
+    view = TextView(two, two, line_prefix="[${rank}]: ")
+    view.handle(run_info(world_size=2))
+    view.handle(line(0, "same"))
+    view.handle(line(1, "same"))
+    view.close()
+    assert two.getvalue().endswith("[0]: same\n[1]: same\n")  # two ranks: every line
+
+
+def test_the_text_views_end_groups_64_ranks_by_outcome():
+    outcomes = {r: "returned" for r in range(64)} | {17: "ValueError: bad batch"}
+    text = _summary_text(False, 2.0, outcomes)
+    assert text == (
+        "nblaunch: failed in 2.00 s\n  rank 17: ValueError: bad batch\n"
+        "  ranks 0-16,18-63: returned\n"
+    )

@@ -18,6 +18,9 @@ from nblaunch.notebook.views.model import FD, RANK, TEXT, Line
 
 # A number as ranks print them: 40, -3, 0.4121, 1e-05.
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+# Runs of fewer ranks fold nothing: two or three ranks' lines read well apart, every number
+# exact.
+FOLD_FROM_RANKS = 4
 # How far apart (in lines of "All ranks", per rank of the run) the copies of a line may come.
 WINDOW_PER_RANK = 4
 
@@ -64,7 +67,10 @@ def fold_lines(lines: Sequence[Line], world_size: int) -> list[Fold]:
     """``lines`` (in arrival order) folded: each line joins the latest fold of lines alike
     (the same stream, the same text but for its numbers) that its rank is not in yet, if that
     fold began at most ``WINDOW_PER_RANK * world_size`` lines before; otherwise it begins one.
+    A run of fewer than ``FOLD_FROM_RANKS`` ranks folds nothing: a fold per line.
     """
+    if world_size < FOLD_FROM_RANKS:
+        return [Fold(index, [line]) for index, line in enumerate(lines)]
     window = WINDOW_PER_RANK * max(1, world_size)
     folds: list[Fold] = []
     latest: dict[tuple[int, str], tuple[Fold, set[int]]] = {}
