@@ -24,6 +24,15 @@ def test_lines_that_differ_in_numbers_fold_with_each_differing_number_as_its_ran
     assert fold.exact().splitlines()[0] == "[3] step 40 loss 0.44 lr 0.05"  # as printed
 
 
+def test_whole_numbers_must_match_and_clock_times_are_measurements():
+    lines = [[0, 1, "step 20 loss 0.31"], [1, 1, "step 40 loss 0.32"], [2, 1, "step 20 loss 0.33"]]
+    assert folded(lines) == [([0, 2], "step 20 loss 0.31 … 0.33"), ([1], "step 40 loss 0.32")]
+    bars = [
+        [r, 2, f"100%|###| 60/60 [00:{9 + r:02d}<00:00, {4.9 + r / 10:.2f}it/s]"] for r in (0, 1, 2)
+    ]
+    assert folded(bars) == [([0, 1, 2], "100%|###| 60/60 [00:09 … 00:11<00:00, 4.90 … 5.10it/s]")]
+
+
 def test_a_rank_never_folds_with_itself_nor_with_a_copy_outside_the_window():
     steps = [[0, 1, f"step {i}"] for i in range(3)]
     assert folded(steps) == [([0], "step 0"), ([0], "step 1"), ([0], "step 2")]

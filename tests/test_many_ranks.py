@@ -46,6 +46,14 @@ def test_a_grid_of_badges_replaces_the_rows_and_the_odd_ranks_stand_out(big):
     assert "title='rank 3 · DONE\nepoch 0 step 20 loss 0.403'>3</span>" in grid
 
 
+def test_all_ranks_keeps_lines_for_every_eight_ranks(displayed):  # noqa: F811
+    view = LaunchView(max_lines=10)
+    view.handle(run_info(world_size=64))
+    for i in range(100):
+        view.handle(line(i % 64, f"line {i}"))
+    assert len(view.model.all_lines) == 80 and len(view.model.rank_lines[0]) == 2
+
+
 def test_eight_ranks_keep_their_rows_and_tabs(displayed):  # noqa: F811
     view = LaunchView()
     view.handle(run_info(world_size=8))
@@ -90,13 +98,13 @@ def test_a_pick_is_noticed_on_the_shell_thread_while_the_run_is_busy(big):
 
 
 def test_the_summary_of_64_ranks_is_grouped_by_state(big):
-    outcomes = {r: "returned" for r in range(64)} | {17: "ValueError: bad batch", 40: ""}
+    outcomes = {r: f"returned {r}" for r in range(64)} | {17: "ValueError: bad batch", 40: ""}
     big.handle({"kind": "run_ended", "ok": False, "elapsed_s": 3.0, "ranks": outcomes})
     lines = big.summary_bundle()["text/plain"].splitlines()
     assert lines[1:4] == [
         "  rank 17 FAILED: ValueError: bad batch",
         "  rank 40 STALLED: waiting in all_reduce at train.py:12",
-        "  62 (0-16,18-39,41-63) DONE: returned",
+        "  62 (0-16,18-39,41-63) DONE: returned (62 different values)",
     ]
     assert lines[-2:] == [
         "  [0-63] epoch 0 step 10 loss 0.400 … 0.463",

@@ -2,10 +2,12 @@
 
 Eight ranks running the same loop print every line eight times. A line that several ranks
 print alike, within a short window of each other, is shown once with the ranks that printed
-it: ``[0-7] epoch 0 step 40 lr 0.05``. Lines that differ only in their numbers fold too, each
-number that differs shown as its range: ``[0-7] loss 0.41 … 0.44``. Pure functions of the kept
-lines: the exact lines stay one hover (the folded line's title) or one rank away, and the rank
-logs on disk keep every byte.
+it: ``[0-7] epoch 0 step 40 lr 0.05``. Lines that differ only in their measurements (numbers
+with a decimal point or an exponent, clock times) fold too, each one that differs shown as its
+range: ``[0-7] loss 0.41 … 0.44``. Whole numbers must match: they count (steps, epochs,
+batches), and ``step 20`` of some ranks is not ``step 40`` of others. Pure functions of the
+kept lines: the exact lines stay one hover (the folded line's title) or one rank away, and the
+rank logs on disk keep every byte.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from nblaunch.notebook.views.model import FD, RANK, TEXT, Line
 
 # A number as ranks print them: 40, -3, 0.4121, 1e-05.
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+# A measurement, which may differ between lines that fold: 0.41, 1e-05, 00:07 (tqdm's clock).
+MEASUREMENT = re.compile(r"\d+:\d\d(?::\d\d)?|-?\d+\.\d+(?:[eE][-+]?\d+)?|-?\d+[eE][-+]?\d+")
+# The numbers of a line, a clock time as one.
+TOKEN = re.compile(f"{MEASUREMENT.pattern}|{NUMBER.pattern}")
 # Runs of fewer ranks fold nothing: two or three ranks' lines read well apart, every number
 # exact.
 FOLD_FROM_RANKS = 4
@@ -41,19 +47,19 @@ class Fold:
         return self.lines[0][FD]
 
     def text(self) -> str:
-        """The line, each number that differs between ranks shown as ``low … high``."""
+        """The line, each measurement that differs between ranks shown as ``low … high``."""
         texts = [line[TEXT] for line in self.lines]
         if len(set(texts)) == 1:
             return texts[0]
-        numbers = [NUMBER.findall(text) for text in texts]
-        pieces = NUMBER.split(texts[0])
+        numbers = [TOKEN.findall(text) for text in texts]
+        pieces = TOKEN.split(texts[0])
         out = [pieces[0]]
         for slot, piece in enumerate(pieces[1:]):
             values = [found[slot] for found in numbers]
             if len(set(values)) == 1:
                 out.append(values[0])
             else:
-                ordered = sorted(values, key=float)
+                ordered = sorted(values, key=_value)
                 out.append(f"{ordered[0]} … {ordered[-1]}")
             out.append(piece)
         return "".join(out)
@@ -65,9 +71,9 @@ class Fold:
 
 def fold_lines(lines: Sequence[Line], world_size: int) -> list[Fold]:
     """``lines`` (in arrival order) folded: each line joins the latest fold of lines alike
-    (the same stream, the same text but for its numbers) that its rank is not in yet, if that
-    fold began at most ``WINDOW_PER_RANK * world_size`` lines before; otherwise it begins one.
-    A run of fewer than ``FOLD_FROM_RANKS`` ranks folds nothing: a fold per line.
+    (the same stream, the same text but for its measurements) that its rank is not in yet, if
+    that fold began at most ``WINDOW_PER_RANK * world_size`` lines before; otherwise it begins
+    one. A run of fewer than ``FOLD_FROM_RANKS`` ranks folds nothing: a fold per line.
     """
     if world_size < FOLD_FROM_RANKS:
         return [Fold(index, [line]) for index, line in enumerate(lines)]
@@ -76,7 +82,7 @@ def fold_lines(lines: Sequence[Line], world_size: int) -> list[Fold]:
     latest: dict[tuple[int, str], tuple[Fold, set[int]]] = {}
     for index, line in enumerate(lines):
         text = line[TEXT]
-        key = (line[FD], NUMBER.sub("#", text) if text.strip() else f"\0{index}")
+        key = (line[FD], MEASUREMENT.sub("#", text) if text.strip() else f"\0{index}")
         found = latest.get(key)
         if found is not None:
             fold, ranks = found
@@ -88,6 +94,16 @@ def fold_lines(lines: Sequence[Line], world_size: int) -> list[Fold]:
         folds.append(fold)
         latest[key] = (fold, {line[RANK]})
     return folds
+
+
+def _value(token: str) -> float:
+    """A number's value; a clock time's in seconds."""
+    if ":" in token:
+        seconds = 0.0
+        for part in token.split(":"):
+            seconds = seconds * 60 + int(part)
+        return seconds
+    return float(token)
 
 
 def rank_ranges(ranks: Sequence[int]) -> str:

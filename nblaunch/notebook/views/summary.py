@@ -166,7 +166,12 @@ def _groups(
                 rows.append((f"{len(rest)} more ({rank_ranges(rest)})", state, ""))
             continue
         shared = {outcomes[r] for r in members}
-        outcome = shared.pop() if len(shared) == 1 else f"{len(shared)} different outcomes"
+        if len(shared) == 1:
+            outcome = shared.pop()
+        elif all(o.startswith("returned") for o in shared):
+            outcome = f"returned ({len(shared)} different values)"
+        else:
+            outcome = f"{len(shared)} different outcomes"
         rows.append((f"{len(members)} ({rank_ranges(members)})", state, outcome))
     return rows
 
