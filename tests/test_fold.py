@@ -33,6 +33,27 @@ def test_whole_numbers_must_match_and_clock_times_are_measurements():
     assert folded(bars) == [([0, 1, 2], "100%|###| 60/60 [00:09 … 00:11<00:00, 4.90 … 5.10it/s]")]
 
 
+def test_a_ranks_own_number_and_a_bars_state_may_differ():
+    hello = [[r, 1, f"hello from rank {r} of 8"] for r in (5, 0, 7)]
+    assert folded(hello) == [([0, 5, 7], "hello from rank 0 … 7 of 8")]
+    assert len(folded([[1, 1, "rank 1 step 1"], [2, 1, "rank 2 step 1"]])) == 1
+    assert len(folded([[1, 1, "rank 1 step 1"], [2, 1, "rank 2 step 2"]])) == 2
+    bars = [
+        [0, 2, "train  32%|███       | 19/60 [00:04<00:08,  4.56it/s]"],
+        [1, 2, "train  30%|███       | 18/60 [00:04<00:09,  4.50it/s]"],
+        [2, 2, "train  35%|████      | 21/60 [00:05<00:08,  4.60it/s]"],
+        [3, 2, "train   0%|          | 0/60 [00:00<?, ?it/s]"],
+    ]
+    assert folded(bars) == [
+        (
+            [0, 1, 2],
+            "train  30 … 35%|███       | 18 … 21/60 [00:04 … 00:05<00:08 … 00:09,  "
+            "4.50 … 4.60it/s]",
+        ),
+        ([3], "train   0%|          | 0/60 [00:00<?, ?it/s]"),
+    ]
+
+
 def test_a_rank_never_folds_with_itself_nor_with_a_copy_outside_the_window():
     steps = [[0, 1, f"step {i}"] for i in range(3)]
     assert folded(steps) == [([0], "step 0"), ([0], "step 1"), ([0], "step 2")]

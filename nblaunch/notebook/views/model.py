@@ -32,7 +32,7 @@ RANK, FD, TEXT = 0, 1, 2
 Line = list
 
 # What tqdm draws: "desc:  42%|████▏     | 42/100 [00:01<00:02, 30.12it/s]".
-_TQDM = re.compile(
+TQDM = re.compile(
     r"(?P<pct>\d+)%\|.*\|\s*(?P<n>\d+)/(?P<total>\d+)\s*"
     r"\[(?P<elapsed>[\d:]+)<(?P<eta>[\d:?]+)(?:,\s*(?P<rate>[^\]]*))?\]"
 )
@@ -173,7 +173,7 @@ class RunModel:
         for fd in (2, 1):  # tqdm writes to stderr by default
             line = self.open_lines.get((rank, fd))
             if line is not None:
-                match = _TQDM.search(plain(line[TEXT]))
+                match = TQDM.search(plain(line[TEXT]))
                 if match:
                     done, total = int(match["n"]), int(match["total"])
                     text = f"{done}/{total}"
