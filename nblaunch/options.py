@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 import socket
+import string
 
 from nblaunch.errors import LaunchError
 
@@ -32,6 +33,12 @@ DEFAULT_HANG_TIMEOUT_S = 300.0
 DEFAULT_RDZV_PORT = 29400
 # torch's own default for the join timeout of the c10d rendezvous.
 DEFAULT_RDZV_TIMEOUT_S = 600.0
+# Accelerate's mixed-precision modes (accelerate.utils.PrecisionType), set for the ranks.
+MIXED_PRECISIONS = ("no", "fp8", "fp16", "bf16")
+# How often the engine looks at quiet ranks (exits, the hang watchdog, timeout=) by default.
+DEFAULT_MONITOR_INTERVAL_S = 0.05
+# The text view's line prefix: torchrun's log_line_prefix_template fields, "${rank}" or "{rank}".
+DEFAULT_LINE_PREFIX = "[rank ${rank}] "
 # A run id chosen by the caller (rdzv_id=): it names store keys and a file, so plain characters.
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -178,9 +185,30 @@ class LaunchOptions:
     device_type: str | None = None
     run_dir: str | os.PathLike[str] | None = None
     debug_on_error: bool = False
+    # Accelerate's notebook_launcher keywords with a meaning here (see docs/compat.md).
+    mixed_precision: str | None = None  # None: ACCELERATE_MIXED_PRECISION is left as it is
+    max_restarts: int = 0
+    monitor_interval: float = DEFAULT_MONITOR_INTERVAL_S
 
     def __post_init__(self) -> None:
         refuse_unknown_start_method(self.start_method)
+        if isinstance(self.mixed_precision, str):  # Accelerate takes "FP16" too
+            object.__setattr__(self, "mixed_precision", self.mixed_precision.lower())
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISIONS:
+            raise LaunchError(
+                f"mixed_precision={self.mixed_precision!r} is not one of "
+                f"{', '.join(MIXED_PRECISIONS)} (Accelerate's modes)"
+            )
+        restarts = self.max_restarts
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise LaunchError(
+                f"max_restarts must be a whole number of restarts >= 0, got {restarts!r}"
+            )
+        if not _positive_number(self.monitor_interval):
+            raise LaunchError(
+                "monitor_interval must be a positive number of seconds, got "
+                f"{self.monitor_interval!r}"
+            )
         if self.device_type is not None and self.device_type not in DEVICE_TYPES:
             raise LaunchError(
                 f"device_type={self.device_type!r} is not one of {', '.join(DEVICE_TYPES)}"
@@ -265,6 +293,33 @@ class NodeOptions:
     def replace(self, **changes: object) -> NodeOptions:
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def format_line_prefix(template: str, rank: int | str, local_rank: int | str | None = None) -> str:
+    """The prefix of ``rank``'s lines from ``template`` (``log_line_prefix_template``).
+
+    Fields are torchrun's, ``${rank}``, ``${local_rank}`` and ``${role_name}`` (always
+    ``default``), or the same in ``str.format``'s braces: ``"[{rank}] "``. A line several
+    ranks printed alike has their ranges as ``rank`` (``"0-7"``).
+
+    Raises
+    ------
+    LaunchError
+        A field the template names that is not one of these, or a malformed template.
+    """
+    values = {
+        "rank": rank,
+        "local_rank": rank if local_rank is None else local_rank,
+        "role_name": "default",
+    }
+    try:
+        text = string.Template(template).substitute(values)
+        return text.format(**values) if "{" in text else text
+    except (KeyError, ValueError, IndexError) as exc:
+        raise LaunchError(
+            f"log_line_prefix_template={template!r} cannot be filled in ({exc}): use "
+            "${rank}, ${local_rank} or ${role_name} (or {rank}, ...), e.g. '[${rank}]: '"
+        ) from None
 
 
 def refuse_unknown_start_method(start_method: str) -> None:

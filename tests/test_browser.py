@@ -347,3 +347,88 @@ def test_a_background_run_s_view_comes_back_after_a_page_reload(background_noteb
         finally:
             browser.close()
     assert all(shot.stat().st_size > 5_000 for shot in shots)
+
+
+def _many_ranks_cells(ranks: int) -> list[str]:
+    """A new user's loop on ``ranks`` CPU ranks: an all_reduce a step, tqdm, a print every
+    20 steps (benchmarks/bench_views.py runs the same)."""
+    return [
+        f"import os, time\nos.environ['NBLAUNCH_MAX_PROCESSES'] = '{ranks}'\nimport nblaunch",
+        "def train(steps):\n"
+        "    import torch, torch.distributed as dist\n"
+        "    from tqdm import tqdm\n"
+        "    print(f'hello from rank {dist.get_rank()}')\n"
+        "    model = torch.nn.Linear(16, 1)\n"
+        "    for step in tqdm(range(steps), mininterval=0.5):\n"
+        "        loss = model(torch.randn(8, 16)).pow(2).mean()\n"
+        "        loss.backward()\n"
+        "        for p in model.parameters():\n"
+        "            dist.all_reduce(p.grad)\n"
+        "        if step % 20 == 0:\n"
+        "            print(f'epoch 0 step {step} loss {loss.item():.2f} lr 0.05')\n"
+        "    return dist.get_rank()",
+        "started = time.monotonic()\n"
+        f"results = nblaunch.notebook_launcher(train, (60,), num_processes={ranks}, "
+        "device_type='cpu')\n"
+        "print(f'launch returned after {time.monotonic() - started:.1f} s')",
+    ]
+
+
+def _show_many_ranks(url: str, ranks: int, shot: Path) -> dict[str, float]:
+    """Run the loop on ``ranks`` ranks in JupyterLab; check the grid, the folded All ranks and
+    the picker; save ``shot``; return when the browser showed what (s after run-all)."""
+    from playwright.sync_api import expect
+
+    times: dict[str, float] = {}
+    with _running(url, height=1400) as page:
+        began = time.monotonic()
+        view = page.locator(".nbl-root")
+        expect(view).to_be_visible(timeout=240_000)
+        times["view shown"] = time.monotonic() - began
+        if ranks > 8:
+            grid = view.locator(".nbl-grid")
+            expect(grid.locator(".nbl-cell")).to_have_count(ranks, timeout=60_000)
+            expect(view).to_contain_text(f"{ranks} DONE", timeout=240_000)
+        else:
+            expect(view.locator(".nbl-ranks")).to_contain_text("rank 7 · DONE", timeout=240_000)
+        times["every rank DONE"] = time.monotonic() - began
+        log = view.locator(".nbl-log:visible")
+        expect(log).to_contain_text(f"[0-{ranks - 1}] epoch 0 step 40 loss")
+        returned = page.locator(".jp-OutputArea-output", has_text="launch returned after")
+        expect(returned).to_be_visible(timeout=60_000)
+        times["cell printed its end"] = time.monotonic() - began
+        page.wait_for_timeout(500)
+        outputs = page.locator(".jp-Cell", has=view).locator(".jp-Cell-outputWrapper")
+        outputs.scroll_into_view_if_needed()
+        # Past 8 ranks the saved summary is short enough to show under the live view.
+        (outputs if ranks > 8 else view).screenshot(path=str(shot))
+        if ranks > 8:  # the rank picker, in place of a tab per rank
+            view.get_by_role("tab", name="One rank").click()
+            view.locator("select").select_option(label="rank 5")
+            expect(view.locator(".nbl-log:visible")).to_contain_text("hello from rank 5")
+    assert shot.stat().st_size > 10_000
+    return times
+
+
+@pytest.fixture
+def sixteen_ranks(tmp_path):
+    yield from _notebook(tmp_path, "ranks16.ipynb", _many_ranks_cells(16))
+
+
+def test_sixteen_ranks_show_a_grid_a_picker_and_folded_lines(sixteen_ranks, tmp_path):
+    times = _show_many_ranks(sixteen_ranks, 16, tmp_path / "ranks16.png")
+    print(f"16 ranks in JupyterLab, seconds after run-all: {times}")
+
+
+@pytest.fixture(params=[8, 64])
+def many_ranks(request, tmp_path):
+    ranks = request.param
+    for url in _notebook(tmp_path, f"ranks{ranks}.ipynb", _many_ranks_cells(ranks)):
+        yield ranks, url
+
+
+def test_screenshots_at_8_and_64_ranks(many_ranks):
+    """The pictures docs/view.md shows (64 CPU ranks: a minute or more on 2 cores)."""
+    ranks, url = many_ranks
+    times = _show_many_ranks(url, ranks, ROOT / "docs" / f"view-{ranks}-ranks.png")
+    print(f"{ranks} ranks in JupyterLab, seconds after run-all: {times}")

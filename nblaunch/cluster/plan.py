@@ -58,8 +58,6 @@ class MultiNodePlan(LaunchPlan):
             ROLE_WORLD_SIZE=str(self.world_size),
             ROLE_NAME="default",
             TORCHELASTIC_RUN_ID=self.rdzv_run_id,
-            TORCHELASTIC_RESTART_COUNT="0",
-            TORCHELASTIC_MAX_RESTARTS="0",
             # Every rank is a client of the store the notebook node hosts on MASTER_ADDR:PORT
             # (torch's env:// init honours this too, for code that sets up its own group).
             TORCHELASTIC_USE_AGENT_STORE="True",
@@ -81,6 +79,7 @@ class MultiNodePlan(LaunchPlan):
             "log_level": self.log_level,
             "master_port": self.master_port,
             "pool": self.pool,
+            "mixed_precision": self.mixed_precision,
         }
 
 
@@ -125,6 +124,7 @@ def plan_for_joined_node(
         node_rank=node_rank,
         rdzv_run_id=run_id,
         pool=bool(config.get("pool")),
+        mixed_precision=config.get("mixed_precision"),  # absent from an older notebook's
     )
 
 

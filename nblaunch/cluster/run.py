@@ -258,7 +258,7 @@ class MultiNodeRun(Run):
         self.announced = True  # the head showed the header before the rendezvous
         self.monitors.append(_NodeMonitor(head))
 
-    def _start_processes(self) -> None:
+    def start_processes(self) -> None:
         plan: MultiNodePlan = self.plan  # type: ignore[assignment]
         self.backend.start(plan.local_ranks, setup=plan.setup_message)
 

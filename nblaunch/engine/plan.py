@@ -22,6 +22,7 @@ from nblaunch.engine.supervisor import check_start_method
 from nblaunch.errors import LaunchError
 from nblaunch.events import SETUP, RunInfo, Setup
 from nblaunch.options import (
+    DEFAULT_MONITOR_INTERVAL_S,
     DEVICE_TYPES,
     FALSE_VALUES,
     LaunchOptions,
@@ -58,6 +59,13 @@ class LaunchPlan:
     notes: list[str] = field(default_factory=list)
     # Extra settings for in-rank features, e.g. where a restarted batch-size search resumes.
     options: dict[str, Any] = field(default_factory=dict)
+    # Accelerate's mode for the ranks (ACCELERATE_MIXED_PRECISION); None leaves the variable be.
+    mixed_precision: str | None = None
+    # Whole-run restarts after a failure (max_restarts=), and how many happened so far.
+    max_restarts: int = 0
+    restart_count: int = 0
+    # How long the engine waits for the ranks before it looks at quiet ones again.
+    monitor_interval: float = DEFAULT_MONITOR_INTERVAL_S
     # The run's hold on run_dir while it lives, so that no pruning deletes it (run_dirs).
     run_lease: RunLease | None = field(default=None, repr=False, compare=False)
 
@@ -75,7 +83,12 @@ class LaunchPlan:
             MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self.master_port),
             TORCHELASTIC_RUN_ID=self.run_id,
+            # torchrun's elastic agent says which attempt this is: code resumes from there.
+            TORCHELASTIC_RESTART_COUNT=str(self.restart_count),
+            TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
         )
+        if self.mixed_precision is not None:  # what Accelerator() reads
+            env["ACCELERATE_MIXED_PRECISION"] = self.mixed_precision
         if self.debug:
             env["NBLAUNCH_DEBUG"] = "1"
         if self.log_level:
@@ -214,6 +227,9 @@ def plan_launch(
         notes=notes,
         # nblaunch.ranks.debugger reads it in the ranks (kept out of the options when off).
         options={"debug_on_error": True} if options.debug_on_error else {},
+        mixed_precision=options.mixed_precision,
+        max_restarts=options.max_restarts,
+        monitor_interval=options.monitor_interval,
     )
 
 

@@ -16,14 +16,14 @@ import threading
 import time
 from typing import Any
 
-from nblaunch.engine import shutdown, verdict
+from nblaunch.engine import restarts, shutdown, verdict
 from nblaunch.engine.backend import BackendFactory, ProcessBackend
 from nblaunch.engine.clock import REAL_CLOCK, Clock, Pauses
 from nblaunch.engine.features import parent_monitors
 from nblaunch.engine.monitor import Monitor
-from nblaunch.engine.plan import LaunchPlan, choose_port
+from nblaunch.engine.plan import LaunchPlan
 from nblaunch.engine.relay import Relay
-from nblaunch.engine.shutdown import STOP_GRACE_S
+from nblaunch.engine.restarts import Attempts
 from nblaunch.engine.verdict import Cause, Outcome, RootCause
 from nblaunch.errors import LaunchError
 from nblaunch.events import STOP, Event, EventSink, NullView, RunState, task_message
@@ -71,6 +71,7 @@ class Run:
         self.announced = False  # the run's header was shown
         self.pauses = Pauses(clock)  # the clocks stand still while a rank waits in the debugger
         self._stop = threading.Event()  # request_stop: another thread asks this run to stop
+        self.attempts = Attempts(plan.max_restarts)  # restarts after a failure (max_restarts=)
 
     def execute(self, payload: bytes, *, started: bool = False) -> list[Any]:
         """Run the payload on every rank and return the results, or raise the root cause.
@@ -85,8 +86,13 @@ class Run:
                 self.start()
             self.send_task(payload)
             self.watch()
-            while self._restart_requested():  # e.g. a peer's out-of-memory left ranks blocked
-                self._restart(payload)
+            while True:
+                if self._restart_requested():  # e.g. a peer's out-of-memory left ranks blocked
+                    self._restart(payload)
+                elif self.restarts_ranks and self.attempts.due(self.outcome.root):
+                    restarts.restart_after_failure(self, payload)
+                else:
+                    break
                 self.watch()
         except KeyboardInterrupt:
             interrupted = True
@@ -100,14 +106,14 @@ class Run:
     def start(self) -> None:
         """Start this machine's ranks (each gets its set-up as it starts), open the relay and
         announce the run (unless a front end did already)."""
-        self._start_processes()
+        self.start_processes()
         self.relay = Relay(self.backend.ranks, self.view, self.plan.run_dir, self.clock)
         if not self.announced:
             self.announce()
         for rank in range(self.plan.world_size):
             self.set_state(rank, RunState.STARTING)
 
-    def _start_processes(self) -> None:
+    def start_processes(self) -> None:
         # GPU ranks wait for an earlier run's ranks to be gone: their device memory comes first.
         wait = self.plan.device_type != "cpu"
         self.backend.start(setup=self.plan.setup_message, wait_for_previous=wait)
@@ -130,7 +136,7 @@ class Run:
         deadline = self.now() + limit_s
         ranks = range(self.plan.world_size)
         while not all(self.states.get(r) is RunState.RUNNING for r in ranks):
-            self.pump(0.05)
+            self.pump(self.plan.monitor_interval)
             root = verdict.settle(self.outcome, self.task_ranks, self.now())
             if root is not None:
                 raise self.exception_for(root)
@@ -236,7 +242,7 @@ class Run:
         outcome = self.outcome
         deadline = None if self.plan.timeout is None else self.now() + self.plan.timeout
         while True:
-            self.pump(0.05)
+            self.pump(self.plan.monitor_interval)  # output and events wake it at once
             if self._all_returned():
                 return
             for monitor in self.monitors if self.pauses.judging() else []:
@@ -314,25 +320,11 @@ class Run:
         carry on.
         """
         request = self.outcome.root
-        assert request is not None and self.relay is not None
+        assert request is not None
         if request.progress:
             self.publish(request.progress)
-        old = self.backend
-        old.stop(grace=STOP_GRACE_S)
-        self.relay.drain_output(timeout=1.0)
-        for rank in old.ranks:
-            self.relay.remove(rank)
-        old.close()
         self.plan.options.update(request.options)
-        self.plan.master_port = choose_port(self.plan.master_addr, None)
-        self.outcome = Outcome()
-        self.monitors = parent_monitors(self.plan)  # fresh processes, fresh observations
-        self.backend = self.make_backend(self.plan.world_size, self.plan.start_method)
-        self._start_processes()
-        for rank in self.backend.ranks:
-            self.relay.add(rank)
-            self.set_state(rank.rank, RunState.STARTING, request.message)
-        self.send_task(payload)
+        restarts.start_again(self, payload, request.message)
 
     def on_death(self, rank: int, exitcode: int | None, after_return: bool = False) -> None:
         death = RootCause.death(rank, exitcode, after_return)
@@ -377,4 +369,5 @@ class Run:
         exc, shown = verdict.exception_for(root, self.outcome, context)
         if shown is not None:
             self.publish(shown)
+        self.attempts.annotate(exc)  # why each earlier attempt ended
         return exc

@@ -54,8 +54,10 @@ class RunHandle:
         finish: Callable[[list[Any]], Any] | None = None,
         localize: Callable[[BaseException], BaseException] | None = None,
         detached: bool = False,
+        views: dict[str, Any] | None = None,
     ) -> None:
         self._control = control
+        self.views = views or {}  # choose_view's options (the text view's line prefix)
         self.finish = finish
         self.localize = localize
         self.detached = detached
@@ -119,7 +121,7 @@ class RunHandle:
         from nblaunch.notebook.views import choose  # choose.make_view: the seam tests replace
         from nblaunch.notebook.views.widget import LaunchView
 
-        shown = choose.make_view(display)
+        shown = choose.choose_view(display, defer="never", **self.views)
         if isinstance(shown, LaunchView):
             shown.on_stop = self.stop
         self._control.hub.watch(shown)
@@ -140,6 +142,7 @@ def launch_in_background(
     *,
     detach: bool,
     function: str = "",
+    views: dict[str, Any] | None = None,
 ) -> RunHandle:
     """Start the run of ``plan`` without holding the cell; show its view here unless ``"none"``."""
     control: RunControl
@@ -153,7 +156,7 @@ def launch_in_background(
         control = BackgroundRun(
             run, payload, after=lambda: spares.fork_ahead(plan.world_size, plan.start_method)
         )
-    handle = RunHandle(control, detached=detach)
+    handle = RunHandle(control, detached=detach, views=views)
     if display != "none":
         handle.view(display)
     if isinstance(control, BackgroundRun):
@@ -228,6 +231,7 @@ class _DetachedEntry(RunHandle):
         self.detached = True
         self.started_at = entry.started_at
         self.finish = self.localize = None
+        self.views = {}
         self._attached: RunHandle | None = None
 
     @property

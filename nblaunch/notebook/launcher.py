@@ -28,8 +28,15 @@ from nblaunch.engine.plan import (  # noqa: F401  (kept importable from here)
 )
 from nblaunch.engine.run import Run
 from nblaunch.errors import LaunchError
+from nblaunch.notebook import accelerate_keywords
 from nblaunch.notebook.pool import refuse_if_running
-from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions
+from nblaunch.options import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_MONITOR_INTERVAL_S,
+    LaunchOptions,
+    NodeOptions,
+    format_line_prefix,
+)
 
 
 def notebook_launcher(
@@ -56,6 +63,14 @@ def notebook_launcher(
     rdzv_id: str | None = None,
     start_nodes: str | None = None,
     hostfile: str | os.PathLike[str] | None = None,
+    mixed_precision: str | None = None,
+    use_port: str | int | None = None,
+    node_rank: int = 0,
+    rdzv_backend: str = "static",
+    rdzv_conf: dict[str, Any] | None = None,
+    max_restarts: int = 0,
+    monitor_interval: float = DEFAULT_MONITOR_INTERVAL_S,
+    log_line_prefix_template: str | None = None,
     block: bool = True,
     detach: bool = False,
 ) -> Any:
@@ -106,6 +121,28 @@ def notebook_launcher(
         Start the other nodes' join from here: ``"ssh"`` on the hosts of ``hostfile`` (after
         checking passwordless ssh), or ``"srun"`` inside a Slurm allocation. See
         :mod:`nblaunch.cluster.node_start`.
+    mixed_precision
+        Accelerate's ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``: the ranks get
+        ``ACCELERATE_MIXED_PRECISION``, so ``Accelerator()`` in ``function`` trains in it.
+        Default: the variable is left as the notebook has it.
+    use_port
+        Accelerate's name for ``master_port`` (a string there).
+    node_rank, rdzv_backend, rdzv_conf
+        Accelerate's rendezvous keywords: the notebook is node 0 (``node_rank=0``); either
+        ``rdzv_backend`` (``"static"``, ``"c10d"``) means nblaunch's rendezvous; ``rdzv_conf``
+        may hold ``join_timeout`` (``rdzv_timeout``). Other values raise ``LaunchError``.
+        Accelerate's ``rdzv_endpoint=""`` and ``rdzv_id="none"`` mean "not given".
+    max_restarts
+        After a rank fails, dies or hangs, stop every rank and start the whole run again, up
+        to this many times, as torchrun's elastic agent does: the ranks read the attempt in
+        ``TORCHELASTIC_RESTART_COUNT``, so code that checkpoints can resume. The exception
+        comes only when the restarts are spent, with a note for every attempt. One machine.
+    monitor_interval
+        How long the launcher waits for the ranks before it looks at quiet ones again (exits,
+        the hang watchdog, ``timeout``); output and events are handled as they come.
+    log_line_prefix_template
+        The text view's line prefix, torchrun's fields: ``"[${rank}]: "`` (or ``"[{rank}] "``;
+        ``${local_rank}``, ``${role_name}`` too). Default ``"[rank N] "``.
     block
         ``False``: start the ranks, show the live view and return a ``RunHandle`` at once; the
         run goes on in the background while other cells run (see docs/background.md).
@@ -138,6 +175,21 @@ def notebook_launcher(
     __tracebackhide__ = True  # the rank's traceback matters, not the launcher's frames
 
     refuse_if_running("notebook_launcher")  # a persistent pool holds the devices
+    meeting = accelerate_keywords.translate(
+        use_port=use_port,
+        master_port=master_port,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_conf=rdzv_conf,
+        rdzv_id=rdzv_id,
+        rdzv_timeout=rdzv_timeout,
+    )
+    master_port, rdzv_endpoint = meeting.master_port, meeting.rdzv_endpoint
+    rdzv_id, rdzv_timeout = meeting.rdzv_id, meeting.rdzv_timeout
+    if log_line_prefix_template is not None:
+        format_line_prefix(log_line_prefix_template, 0)  # named before anything starts
     background = detach or not block
     if background:
         _refuse_in_background(debug_on_error, num_nodes, rdzv_endpoint, start_nodes, detach)
@@ -153,12 +205,21 @@ def notebook_launcher(
         device_type=device_type,
         run_dir=run_dir,
         debug_on_error=debug_on_error,
+        mixed_precision=mixed_precision,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
     )
+    views = {"line_prefix": log_line_prefix_template, "ranks_per_node": num_processes}
     if num_nodes != 1 or rdzv_endpoint is not None or rdzv_id is not None or start_nodes:
         if debug_on_error:
             raise LaunchError(
                 "debug_on_error=True works on one machine only: its prompts cannot reach "
                 "another node's ranks; debug on one node, then scale out"
+            )
+        if max_restarts:
+            raise LaunchError(
+                f"max_restarts={max_restarts} works on one machine for now: a restart would "
+                "need every node to join again; use num_nodes=1, or restart the cell"
             )
         nodes = NodeOptions(num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
         from nblaunch.cluster.run import launch_multinode  # not at import: ~9 ms, rarely used
@@ -170,7 +231,7 @@ def notebook_launcher(
             num_processes,
             options,
             nodes,
-            view_factory=lambda: choose_view(display, defer="never"),
+            view_factory=lambda: choose_view(display, defer="never", **views),
             kwargs=kwargs,
         )
     plan = plan_launch(function, num_processes, options)
@@ -183,8 +244,11 @@ def notebook_launcher(
         from nblaunch.notebook.handle import launch_in_background
 
         name = getattr(function, "__qualname__", type(function).__name__)
-        return launch_in_background(plan, payload, display, detach=detach, function=name)
-    view = choose_view(display)  # a live widget is deferred: a quick launch shows its summary
+        return launch_in_background(
+            plan, payload, display, detach=detach, function=name, views=views
+        )
+    # A live widget is deferred: a quick launch shows its summary.
+    view = choose_view(display, **views)
     if plan.device_type == "xla":
         return _launch_xla(plan, payload)
     try:

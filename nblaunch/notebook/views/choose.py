@@ -20,7 +20,11 @@ LIVE_VIEW_AFTER_S = 0.2
 
 
 def choose_view(
-    display: str, *, defer: Literal["widget", "always", "never"] = "widget"
+    display: str,
+    *,
+    defer: Literal["widget", "always", "never"] = "widget",
+    line_prefix: str | None = None,
+    ranks_per_node: int | None = None,
 ) -> EventSink:
     """The view a front end shows for ``display``: "auto", "widget", "text" or "none".
 
@@ -34,17 +38,22 @@ def choose_view(
         ``"widget"`` the live widget only (``notebook_launcher``: a launch over in a moment
         gets its summary alone); ``"always"`` every view but ``"none"`` (a pool task: a quick,
         silent cell shows nothing, in text too); ``"never"`` none (multi-node launches).
+    line_prefix, ranks_per_node
+        The text view's line prefix (a ``log_line_prefix_template``; default ``[rank N]``), and
+        the ranks of each node, for its ``${local_rank}``. The widget shows ranks its own way.
 
     Raises
     ------
     LaunchError
-        ``display`` is not one of the modes.
+        ``display`` is not one of the modes, or ``line_prefix`` cannot be filled in.
     ValueError
         ``defer`` is not one of its three values.
     """
     if defer not in ("widget", "always", "never"):
         raise ValueError(f"defer={defer!r} is not one of 'widget', 'always', 'never'")
     view = make_view(display)
+    if isinstance(view, TextView) and line_prefix is not None:
+        view = TextView(line_prefix=line_prefix, ranks_per_node=ranks_per_node)
     if isinstance(view, NullView) or defer == "never":
         return view
     if defer == "always" or isinstance(view, LaunchView):

@@ -21,6 +21,8 @@ from nblaunch.options import VIEW_LINES
 
 # Lines kept per rank and in the "All ranks" log; NBLAUNCH_VIEW_LINES changes it.
 DEFAULT_VIEW_LINES = VIEW_LINES
+# "All ranks" keeps max_lines for every this many ranks.
+ALL_RANKS_PER_KEEP = 8
 # Returned values up to this size (pickled) are kept, to be shown if of a plain type.
 SUMMARY_VALUE_BYTES = 4096
 
@@ -30,7 +32,7 @@ RANK, FD, TEXT = 0, 1, 2
 Line = list
 
 # What tqdm draws: "desc:  42%|████▏     | 42/100 [00:01<00:02, 30.12it/s]".
-_TQDM = re.compile(
+TQDM = re.compile(
     r"(?P<pct>\d+)%\|.*\|\s*(?P<n>\d+)/(?P<total>\d+)\s*"
     r"\[(?P<elapsed>[\d:]+)<(?P<eta>[\d:?]+)(?:,\s*(?P<rate>[^\]]*))?\]"
 )
@@ -47,7 +49,8 @@ class RunModel:
     Parameters
     ----------
     max_lines
-        Lines kept per rank and in the "All ranks" log; older ones are only counted.
+        Lines kept per rank and in the "All ranks" log (that many for every 8 ranks); older
+        ones are only counted.
     """
 
     def __init__(self, max_lines: int = DEFAULT_VIEW_LINES) -> None:
@@ -119,6 +122,11 @@ class RunModel:
             self._on_diagnosis(dict(event))
         elif kind == "run_info":
             self.info = dict(event)
+            # "All ranks" folds alike lines: keep max_lines for every 8 ranks, so that a line
+            # all 64 ranks print is still whole on screen.
+            keep = self.max_lines * -(-event["world_size"] // ALL_RANKS_PER_KEEP)
+            if keep > self.max_lines:
+                self.all_lines = collections.deque(self.all_lines, maxlen=keep)
         elif kind == "run_ended":
             self.ended = dict(event)
             self.changed.add("head")
@@ -165,7 +173,7 @@ class RunModel:
         for fd in (2, 1):  # tqdm writes to stderr by default
             line = self.open_lines.get((rank, fd))
             if line is not None:
-                match = _TQDM.search(plain(line[TEXT]))
+                match = TQDM.search(plain(line[TEXT]))
                 if match:
                     done, total = int(match["n"]), int(match["total"])
                     text = f"{done}/{total}"

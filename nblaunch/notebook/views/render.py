@@ -13,7 +13,8 @@ from typing import Any
 from nblaunch.events import RunState
 from nblaunch.notebook.charts import render_svg
 from nblaunch.notebook.views.ansi import esc, strip_to_html, to_html
-from nblaunch.notebook.views.model import FD, RANK, TEXT, Line, RunModel
+from nblaunch.notebook.views.fold import fold_lines, rank_ranges
+from nblaunch.notebook.views.model import FD, TEXT, Line, RunModel
 
 # Calm colours: a soft background and a dark foreground per state.
 STATE_COLORS: dict[RunState, tuple[str, str]] = {
@@ -26,6 +27,10 @@ STATE_COLORS: dict[RunState, tuple[str, str]] = {
     RunState.DONE: ("#dcfce7", "#166534"),
     RunState.STOPPED: ("#e5e7eb", "#374151"),
 }
+# Past this many ranks, a grid of badges replaces the rows, and a rank picker the rank tabs.
+GRID_AFTER = 8
+# States that stand out in the grid: outlined, and named in its counts.
+HOT_STATES = (RunState.FAILED, RunState.STALLED, RunState.DEBUGGING)
 # Rank tags in the "All ranks" log, repeated past eight ranks.
 RANK_COLORS = (
     "#2563eb",
@@ -70,6 +75,10 @@ CSS = """<style>
   max-height:20em;overflow-y:auto;font-family:var(--jp-code-font-family,monospace)}
 .nbl-title{font-weight:600}
 .nbl-diag details{margin-top:4px;color:#475569}
+.nbl-grid{display:flex;flex-wrap:wrap;gap:3px;margin:3px 0;max-width:60em}
+.nbl-cell{display:inline-block;min-width:2.4em;text-align:center;padding:1px 0;border-radius:4px;
+  font-size:11px;font-weight:600;font-family:var(--jp-code-font-family,monospace);cursor:default}
+.nbl-hot{outline:2px solid currentColor;outline-offset:-2px}
 .nbl-progress{padding:4px 10px;border-left:4px solid #f59e0b;background:#fffbeb;margin:4px 0}
 </style>"""
 
@@ -102,10 +111,13 @@ def head_html(model: RunModel, elapsed_s: float) -> str:
 
 
 def ranks_html(model: RunModel) -> str:
-    """One row per rank: its state badge, device, last line or tqdm bar, and compute share.
+    """One row per rank: its state badge, device, last line or tqdm bar, and compute share;
+    past ``GRID_AFTER`` ranks, a grid of badges instead (:func:`grid_html`).
 
     With more than one rank drawing a bar, an "all ranks" row first shows the slowest.
     """
+    if len(model.states) > GRID_AFTER:
+        return grid_html(model)
     rows = []
     bars = []  # the tqdm bars ranks draw now
     for rank in sorted(model.states):
@@ -149,6 +161,47 @@ def ranks_html(model: RunModel) -> str:
             f"color:#334155'>all ranks</span>{bar_html(*slowest)}</div>",
         )
     return "<div class='nbl-ranks'>" + "".join(rows) + "</div>"
+
+
+def grid_html(model: RunModel) -> str:
+    """Many ranks at a glance: the ranks counted by state (the failed and stalled ones named),
+    the slowest progress bar, and a badge per rank coloured by state; hovering a badge shows
+    the rank's state, device and last line. Failed, stalled and debugging ranks are outlined."""
+    counts: dict[RunState, list[int]] = {}
+    cells = []
+    bars = []
+    for rank in sorted(model.states):
+        state = model.states[rank]
+        counts.setdefault(state, []).append(rank)
+        bg, fg = STATE_COLORS[state]
+        last = model.details.get(rank, "") or model.last_line(rank)
+        bar = model.progress_bar(rank)
+        if bar is not None:
+            bars.append(bar)
+            last = f"{bar[0]:.0%} · {bar[1]}"
+        device = model.devices.get(rank, "")
+        title = f"rank {rank} · {state.value}{' · ' + device if device else ''}\n{last[:300]}"
+        hot = " nbl-hot" if state in HOT_STATES else ""
+        cells.append(
+            f"<span class='nbl-cell{hot}' style='background:{bg};color:{fg}' "
+            f"title='{strip_to_html(title)}'>{rank}</span>"
+        )
+    summary = " · ".join(
+        f"<b>{len(ranks)} {state.value}</b>"
+        + (f" ({_named(ranks)})" if state in HOT_STATES else "")
+        for state, ranks in sorted(counts.items(), key=lambda item: -len(item[1]))
+    )
+    out = f"<div class='nbl-head'>{summary}</div>"
+    if len(bars) > 1:
+        out += f"<div>all ranks {bar_html(*min(bars, key=lambda bar: bar[0]))}</div>"
+    return out + f"<div class='nbl-grid'>{''.join(cells)}</div>"
+
+
+def _named(ranks: list[int]) -> str:
+    """Ranks named, the first few: "rank 17", "ranks 3, 9, 12 and 4 more"."""
+    shown = ", ".join(str(r) for r in ranks[:5])
+    more = f" and {len(ranks) - 5} more" if len(ranks) > 5 else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
 
 
 def bar_html(fraction: float, text: str) -> str:
@@ -210,36 +263,40 @@ def charts_html(model: RunModel) -> str:
 
 
 def log_html(model: RunModel, rank: int | None, max_line_chars: int) -> str:
-    """A log tab: the rank's kept lines, or every rank's, tagged, when ``rank`` is None.
+    """A log tab: the rank's kept lines, or every rank's, alike lines folded and tagged with
+    their ranks (``[0-7] ...``; see :mod:`~nblaunch.notebook.views.fold`), when ``rank`` is None.
 
     A rank's tab starts with how many earlier lines its log file holds; lines longer than
     ``max_line_chars`` are cut, with a note.
     """
-    lines: Sequence[Line] = model.all_lines if rank is None else model.rank_lines.get(rank, ())
     parts = []
-    if rank is not None and model.line_counts[rank] > len(lines):
+    if rank is None:
+        world = (model.info or {}).get("world_size", 0)
+        for fold in fold_lines(model.all_lines, world):
+            ranks = fold.ranks
+            color = RANK_COLORS[ranks[0] % len(RANK_COLORS)] if len(ranks) == 1 else "#334155"
+            text = fold.text()
+            exact = f" title='{esc(fold.exact())}'" if text != fold.lines[0][TEXT] else ""
+            tag = f"<span class='nbl-tag' style='color:{color}'{exact}>[{rank_ranges(ranks)}]"
+            parts.append(f"{tag}</span> {_line_html(text, fold.fd, max_line_chars)}\n")
+        return f"<div class='nbl-log'><pre>{''.join(parts)}</pre></div>"
+    lines: Sequence[Line] = model.rank_lines.get(rank, ())
+    if model.line_counts[rank] > len(lines):
         earlier = model.line_counts[rank] - len(lines)
         where = model.log_path(rank)
         parts.append(
             f"<span class='nbl-dim'>… {earlier} earlier line{'s' if earlier != 1 else ''}"
             f"{' in ' + esc(where) if where else ''}</span>\n"
         )
-    for line in lines:
-        text = line[TEXT]
-        if len(text) > max_line_chars:
-            text = text[:max_line_chars]
-            cut = (
-                f"<span class='nbl-dim'> … ({len(line[TEXT]) - max_line_chars} more characters)"
-                "</span>"
-            )
-        else:
-            cut = ""
-        body = to_html(text)
-        if line[FD] == 2:
-            body = f"<span class='nbl-err'>{body}</span>"
-        if rank is None:
-            tag = line[RANK]
-            color = RANK_COLORS[tag % len(RANK_COLORS)]
-            body = f"<span class='nbl-tag' style='color:{color}'>[{tag}]</span> {body}"
-        parts.append(body + cut + "\n")
+    parts += [_line_html(line[TEXT], line[FD], max_line_chars) + "\n" for line in lines]
     return f"<div class='nbl-log'><pre>{''.join(parts)}</pre></div>"
+
+
+def _line_html(text: str, fd: int, max_line_chars: int) -> str:
+    """One line of a log: stderr's in its colour, cut past ``max_line_chars`` with a note."""
+    cut = ""
+    if len(text) > max_line_chars:
+        cut = f"<span class='nbl-dim'> … ({len(text) - max_line_chars} more characters)</span>"
+        text = text[:max_line_chars]
+    body = to_html(text)
+    return (f"<span class='nbl-err'>{body}</span>" if fd == 2 else body) + cut

@@ -7,15 +7,20 @@ state (GitHub, nbviewer, another Lab) still shows each rank's outcome and last l
 
 from __future__ import annotations
 
+from nblaunch.events import RunState
 from nblaunch.notebook.charts import render_svg
 from nblaunch.notebook.views.ansi import esc, printable, to_html
+from nblaunch.notebook.views.fold import fold_lines, rank_ranges
 from nblaunch.notebook.views.model import FD, SUMMARY_VALUE_BYTES, TEXT, Line, RunModel
-from nblaunch.notebook.views.render import SEVERITY_COLORS, STATE_COLORS
+from nblaunch.notebook.views.render import GRID_AFTER, HOT_STATES, SEVERITY_COLORS, STATE_COLORS
 
 # The summary keeps each rank's last lines, within a total, each cut to a length.
 SUMMARY_LINES = 20
 SUMMARY_TOTAL_LINES = 200
 SUMMARY_LINE_CHARS = 300
+# Past GRID_AFTER ranks: the "All ranks" lines kept, folded; failed ranks named one by one.
+SUMMARY_FOLDS = 40
+NAMED_RANKS = 5
 
 
 def summary_bundle(model: RunModel) -> dict[str, str]:
@@ -32,10 +37,18 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
     run_dir = (model.info or {}).get("run_dir", "")
     errors = [d["title"] for d in model.diagnoses if d["severity"] == "error"][:1]
     notes = [d["title"] for d in model.diagnoses if d["severity"] != "error"][:5]
-    tails = _tails(model, ranks)
+    many = len(ranks) > GRID_AFTER
+    tails = _tails(model, [r for r in ranks if model.state(r) in HOT_STATES] if many else ranks)
+    groups = _groups(model, ranks, outcomes) if many else []
 
     plain_lines = [header]
-    plain_lines += [f"  rank {r}: {model.state(r).value} · {outcomes[r]}" for r in ranks]
+    if many:
+        plain_lines += [
+            f"  {what} {state.value}{': ' + outcome if outcome else ''}"
+            for what, state, outcome in groups
+        ]
+    else:
+        plain_lines += [f"  rank {r}: {model.state(r).value} · {outcomes[r]}" for r in ranks]
     plain_lines += [f"  logs: {run_dir}"] if run_dir else []
     plain_lines += [f"error: {title}" for title in errors] + [f"note: {title}" for title in notes]
     for r, lines, earlier in tails:
@@ -44,9 +57,22 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
             plain_lines.append(f"  {_earlier_note(model, r, earlier)}")
         plain_lines += [f"  {_cut(line[TEXT])}" for line in lines]
 
+    folds = fold_lines(model.all_lines, len(ranks))[-SUMMARY_FOLDS:] if many else []
+    if folds:
+        plain_lines.append(f"--- all ranks, last {_plural(len(folds), 'line')}, alike folded")
+        plain_lines += [f"  [{rank_ranges(f.ranks)}] {_cut(f.text())}" for f in folds]
+
     cell = "padding:2px 10px;text-align:left;border-bottom:1px solid #e5e7eb;white-space:nowrap"
     rows = []
-    for r in ranks:
+    for what, state, outcome in groups:
+        bg, fg = STATE_COLORS[state]
+        rows.append(
+            f"<tr><td style='{cell};white-space:normal'>{esc(what)}</td><td style='{cell}'>"
+            f"<span style='background:{bg};color:{fg};padding:1px 8px;border-radius:9px;"
+            f"font-weight:600'>{state.value}</span></td><td style='{cell};white-space:normal'>"
+            f"{esc(outcome)}</td></tr>"
+        )
+    for r in [] if many else ranks:
         bg, fg = STATE_COLORS[model.state(r)]
         rows.append(
             f"<tr><td style='{cell}'>rank {r}</td><td style='{cell}'><span style='"
@@ -88,6 +114,22 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
             f"<div style='color:#475569;margin-top:4px'>rank {r}, last "
             f"{_plural(len(lines), 'line')}</div><pre style='{pre}'>{note}{body}</pre>"
         )
+    if folds:
+        body = "".join(
+            f"<b>[{rank_ranges(f.ranks)}]</b> "
+            + (
+                f"<span style='color:#9a3412'>{to_html(_cut(f.text()))}</span>"
+                if f.fd == 2
+                else to_html(_cut(f.text()))
+            )
+            + "\n"
+            for f in folds
+        )
+        blocks.insert(
+            0,
+            f"<div style='color:#475569;margin-top:4px'>all ranks, last "
+            f"{_plural(len(folds), 'line')}, alike folded</div><pre style='{pre}'>{body}</pre>",
+        )
     charts = render_svg(model.metrics) if model.metrics else ""  # kept in the saved file
     if model.metrics:
         names = ", ".join(sorted(model.metrics.series))
@@ -100,6 +142,38 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
         f"{charts}{''.join(blocks)}</div>"
     )
     return {"text/plain": printable("\n".join(plain_lines)), "text/html": html_out}
+
+
+def _groups(
+    model: RunModel, ranks: list[int], outcomes: dict[int, str]
+) -> list[tuple[str, RunState, str]]:
+    """``(which ranks, state, outcome)`` rows for a run of many ranks: failed, stalled and
+    debugging ranks one by one (the first ``NAMED_RANKS``), the others grouped by state, with
+    their outcome when they share one: ("62 (0-16,18-63)", DONE, "returned"), ("rank 17",
+    FAILED, "ValueError: bad batch")."""
+    by_state: dict[RunState, list[int]] = {}
+    for r in ranks:
+        by_state.setdefault(model.state(r), []).append(r)
+    rows = []
+    for state, members in sorted(by_state.items(), key=lambda item: item[0] not in HOT_STATES):
+        if state in HOT_STATES:
+            rows += [
+                (f"rank {r}", state, outcomes[r] or model.details.get(r, ""))
+                for r in members[:NAMED_RANKS]
+            ]
+            if len(members) > NAMED_RANKS:
+                rest = members[NAMED_RANKS:]
+                rows.append((f"{len(rest)} more ({rank_ranges(rest)})", state, ""))
+            continue
+        shared = {outcomes[r] for r in members}
+        if len(shared) == 1:
+            outcome = shared.pop()
+        elif all(o.startswith("returned") for o in shared):
+            outcome = f"returned ({len(shared)} different values)"
+        else:
+            outcome = f"{len(shared)} different outcomes"
+        rows.append((f"{len(members)} ({rank_ranges(members)})", state, outcome))
+    return rows
 
 
 def _tails(model: RunModel, ranks: list[int]) -> list[tuple[int, list[Line], int]]:

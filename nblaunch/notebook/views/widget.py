@@ -55,7 +55,8 @@ class LaunchView:
     button; one status badge per rank with its last line and, once heartbeats arrive, the share
     of time it spends computing versus waiting in collectives; an error panel for diagnoses; a
     progress area for multi-attempt operations (out-of-memory retries); and the logs, in an
-    "All ranks" tab and one tab per rank.
+    "All ranks" tab (alike lines folded) and one tab per rank. Past ``render.GRID_AFTER``
+    ranks, a grid of badges replaces the rows and a rank picker the rank tabs.
 
     Parameters
     ----------
@@ -100,7 +101,10 @@ class LaunchView:
         self._last_header = 0.0
         self._started_clock = time.monotonic()
         self._widgets: dict[str, Any] = {}
-        self._logs: list[Any] = []
+        self._logs: list[Any] = []  # "All ranks", then each rank's (or the picked rank's)
+        self._picker: Any = None  # the rank picker, past GRID_AFTER ranks
+        self.picked = 0  # the rank it shows (set from the shell-channel thread too)
+        self._picked_shown: int | None = None
         self._shown: dict[int, str] = {}  # id(widget) -> value last sent
         self._running = False
         self._stop_lock = threading.Lock()
@@ -131,6 +135,8 @@ class LaunchView:
         changed = self.model.changed
         if self._running and now - self._last_header >= 1.0:
             changed.add("head")  # the elapsed time
+        if self._picker is not None and self.picked != self._picked_shown:
+            changed.add(self.picked)  # picked on the shell-channel thread
         if not changed or not self._widgets or (not force and now < self._next_render):
             return
         sent = self._render()
@@ -211,6 +217,32 @@ class LaunchView:
         comm._reply_subshell_for = route_and_watch
         return True
 
+    # --- the rank picker -------------------------------------------------------------------------
+
+    def _pick(self, rank: int) -> None:
+        """Show ``rank``'s log under the picker, now when the run is over (else at the next
+        flush)."""
+        self.picked = rank
+        if not self._running:
+            self.flush(force=True)
+
+    def _hook_picker(self, picker: Any) -> None:
+        """Notice a pick on ipykernel's shell-channel thread while the run keeps the main thread
+        busy, as the Stop button's clicks are (see ``_hook_stop``); the next flush shows it."""
+        comm = getattr(picker, "comm", None)
+        route = getattr(comm, "_reply_subshell_for", None)
+        if route is None:
+            return
+
+        def route_and_watch(data: Any, default: Any) -> Any:
+            state = data.get("state") if isinstance(data, dict) else None
+            index = state.get("index") if isinstance(state, dict) else None
+            if isinstance(index, int) and 0 <= index < len(picker.options):
+                self.picked = index  # the options are the ranks in order
+            return route(data, default)
+
+        comm._reply_subshell_for = route_and_watch
+
     # --- widgets ---------------------------------------------------------------------------------
 
     def _build(self) -> None:
@@ -244,12 +276,19 @@ class LaunchView:
         panel = html(layout="hidden")
         progress = html(layout="hidden")
         charts = html(layout="hidden")
-        self._logs = [html() for _ in range(world + 1)]
-        tabs = widgets.Tab(
-            children=self._logs,
-            titles=["All ranks", *(f"rank {r}" for r in range(world))],
-            layout=shared["plain"],
-        )
+        if world > render.GRID_AFTER:  # one tab per rank stops working: a picker
+            self._logs = [html(), html()]
+            self._picker = widgets.Dropdown(
+                options=[(f"rank {r}", r) for r in range(world)], value=0, description="Rank"
+            )
+            self._picker.observe(lambda change: self._pick(change["new"]), names="value")
+            self._hook_picker(self._picker)
+            pages = [self._logs[0], widgets.VBox([self._picker, self._logs[1]])]
+            titles = ["All ranks", "One rank"]
+        else:
+            self._logs = pages = [html() for _ in range(world + 1)]
+            titles = ["All ranks", *(f"rank {r}" for r in range(world))]
+        tabs = widgets.Tab(children=pages, titles=titles, layout=shared["plain"])
         top = widgets.HBox([head, stop], layout=shared["row"])
         root = widgets.VBox(
             [html(render.CSS), top, ranks, panel, progress, charts, tabs], layout=shared["plain"]
@@ -293,9 +332,13 @@ class LaunchView:
             sent += self._show(w["charts"], render.charts_html(model))
         if "logs" in dirty:
             sent += self._set(self._logs[0], render.log_html(model, None, self.max_line_chars))
-        for rank, log in enumerate(self._logs[1:]):
-            if rank in dirty:
-                sent += self._set(log, render.log_html(model, rank, self.max_line_chars))
+        if self._picker is None:
+            for rank, log in enumerate(self._logs[1:]):
+                if rank in dirty:
+                    sent += self._set(log, render.log_html(model, rank, self.max_line_chars))
+        elif self.picked in dirty or self.picked != self._picked_shown:
+            self._picked_shown = picked = self.picked
+            sent += self._set(self._logs[1], render.log_html(model, picked, self.max_line_chars))
         self.messages_sent += sent
         return sent
 
