@@ -82,8 +82,12 @@ class Trial:
         return found
 
     def close(self) -> list[str]:
-        """Stop what is left; return what was left running."""
-        left = alive(self.notebook.tree() | self.join.tree())
+        """Stop what is left; return what was still running 15 s after the fault's outcome."""
+        pids = self.notebook.tree() | self.join.tree()
+        deadline = time.monotonic() + 15
+        while alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = alive(pids)
         for side in (self.notebook, self.join):
             side.kill()
         return left

@@ -54,6 +54,8 @@ EXIT_FAILED = 1  # the run failed, was stopped or interrupted, or the notebook w
 EXIT_USAGE = 2  # no such run, endpoint unreachable: nothing ran here
 # Not an exit code: a pool restarts, and this node joins its next start.
 REJOIN = -1
+# The thread that waits in torch's rendezvous while the main thread watches the notebook.
+GATHER_THREAD = "nblaunch-rendezvous"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -109,9 +111,11 @@ def _run_from_args(args: argparse.Namespace) -> int:
         connect_timeout=args.connect_timeout,
         secret_file=args.secret_file,
     )
-    if BoundedStore.any_stuck:
-        # The notebook was lost and a store call is stuck on its dead connection: the
-        # interpreter's exit would wait seconds to minutes for it. The ranks are stopped.
+    gathering = any(t.name == GATHER_THREAD and t.is_alive() for t in threading.enumerate())
+    if BoundedStore.any_stuck or gathering:
+        # A thread is still in a call on the notebook's store (lost, or closed while this node
+        # waited): the interpreter's exit would wait for it, seconds to minutes. The ranks, if
+        # any, are stopped.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -260,11 +264,14 @@ def _join_once(
     except NotebookStopped as exc:
         say(f"the notebook stopped run {run_id} before it started: {exc}")
         return EXIT_FAILED
-    except (RendezvousClosedError, RendezvousGracefulExitError):
-        say(f"run {run_id} was closed before every node joined (interrupted or timed out)")
-        return EXIT_FAILED
-    except RendezvousTimeoutError:
-        say(f"not every node joined run {run_id} in time; nothing ran")
+    except (RendezvousClosedError, RendezvousGracefulExitError, RendezvousTimeoutError) as exc:
+        reason = _reason_soon(store, keys, secret)  # the notebook's words, when it said them
+        if reason:
+            say(f"the notebook stopped run {run_id} before it started: {reason}")
+        elif isinstance(exc, RendezvousTimeoutError):
+            say(f"not every node joined run {run_id} in time; nothing ran")
+        else:
+            say(f"run {run_id} was closed before every node joined (interrupted or timed out)")
         return EXIT_FAILED
     except KeyboardInterrupt:
         say("interrupted while the nodes gathered")
@@ -319,7 +326,7 @@ def _gather(handler: Any, store: Any, keys: Keys, secret: RunSecret) -> Any:
         except BaseException as exc:
             outcome["error"] = exc
 
-    thread = threading.Thread(target=gather, name="nblaunch-rendezvous", daemon=True)
+    thread = threading.Thread(target=gather, name=GATHER_THREAD, daemon=True)
     thread.start()
     while thread.is_alive():
         thread.join(GATHER_POLL_S)
@@ -333,6 +340,20 @@ def _gather(handler: Any, store: Any, keys: Keys, secret: RunSecret) -> Any:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["info"]
+
+
+def _reason_soon(store: Any, keys: Keys, secret: RunSecret) -> str:
+    """The notebook's reason for stopping the run, waited for a moment (its own timeout may
+    fire just after this node's); "" when it gives none or is gone."""
+    deadline = time.monotonic() + 4 * GATHER_POLL_S
+    while True:
+        try:
+            reason = read_reason(store, keys, secret)
+        except Exception:
+            return ""
+        if reason or time.monotonic() > deadline:
+            return reason
+        time.sleep(GATHER_POLL_S / 2)
 
 
 def _terminate_as_interrupt() -> None:
