@@ -98,6 +98,21 @@ def test_ranks_on_two_hosts_use_the_interface_that_reaches_the_endpoint(hosts):
     assert f" at {hosts.net.addresses[1]} joined" in notebook.output()  # named by its address
 
 
+def test_three_hosts_run_ddp_and_each_join_names_its_own_interface(tmp_path):
+    three = Hosts(tmp_path, count=3)
+    try:
+        notebook = three.notebook("short_ddp", num_nodes=3)
+        joins = [three.join(1), three.join(2)]
+        end = ending(notebook, 120)
+        assert end["end"] == "returned" and end["results"] == [0, 1, 2], notebook.output()
+        for host, join in enumerate(joins, start=1):
+            assert join.wait(15) == 0, join.output()
+            link, address = three.net.links[host], three.net.addresses[host]
+            assert f"network: gloo and NCCL use {link} ({address})" in join.output()
+    finally:
+        three.close()
+
+
 def test_a_partitioned_node_is_named_on_both_sides_and_stops_its_own_ranks(hosts):
     notebook = hosts.notebook("ddp")
     join = hosts.join()

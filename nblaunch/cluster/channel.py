@@ -34,9 +34,9 @@ MAX_BATCH = 2000
 # How often a node waiting for the others looks whether the notebook stopped the run; the
 # notebook keeps the store up twice as long after saying so.
 GATHER_POLL_S = 0.25
-# A joined node's store operations while its ranks run time out after this long: a node cut
-# off from the notebook takes it as lost then, stops its ranks and exits. A blip of a few
-# seconds (TCP retransmits once the link is back) is not a loss.
+# A joined node's calls to the store while its ranks run give up after this long (BoundedStore):
+# a node cut off from the notebook takes it as lost then, stops its ranks and exits. A blip of
+# a few seconds (TCP retransmits once the link is back) is not a loss.
 NOTEBOOK_SILENCE_S = 8.0
 
 
