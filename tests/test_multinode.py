@@ -23,11 +23,19 @@ from conftest import rank_children, wait_until
 
 from nblaunch import LaunchError, RankFailedError, RendezvousTimeoutError, notebook_launcher
 from nblaunch.cluster import head as cluster_head
+from nblaunch.cluster.network import Route, describe, route_to, socket_env
 from nblaunch.cluster.plan import MultiNodePlan
 from nblaunch.cluster.run import launch_multinode
-from nblaunch.cluster.store import node_rank_of, parse_endpoint, signal_handlers_kept
+from nblaunch.cluster.store import (
+    BoundedStore,
+    node_rank_of,
+    parse_endpoint,
+    signal_handlers_kept,
+)
+from nblaunch.engine.plan import loopback_interface
 from nblaunch.events import NullView
 from nblaunch.options import LaunchOptions, NodeOptions
+from nblaunch.ranks.default_group import connect_hint
 
 # The joined node cannot import this test module: send the functions defined here by value, as
 # functions defined in a notebook are.
@@ -179,26 +187,29 @@ def test_endpoints_parse_and_bad_ones_are_refused():
             parse_endpoint(bad)
 
 
+PLAN_FIELDS = dict(
+    world_size=8,
+    device_type="cpu",
+    backend="gloo",
+    start_method="spawn",
+    master_addr="head",
+    master_port=29400,
+    debug=False,
+    init_process_group=True,
+    timeout=None,
+    hang_timeout=None,
+    log_level=None,
+    run_dir=None,
+    device_kind="CPU",
+    num_nodes=2,
+    nproc_per_node=4,
+    node_rank=1,
+    rdzv_run_id="run7",
+)
+
+
 def test_each_rank_gets_the_multi_node_torchrun_contract():
-    plan = MultiNodePlan(
-        world_size=8,
-        device_type="cpu",
-        backend="gloo",
-        start_method="spawn",
-        master_addr="head",
-        master_port=29400,
-        debug=False,
-        init_process_group=True,
-        timeout=None,
-        hang_timeout=None,
-        log_level=None,
-        run_dir=None,
-        device_kind="CPU",
-        num_nodes=2,
-        nproc_per_node=4,
-        node_rank=1,
-        rdzv_run_id="run7",
-    )
+    plan = MultiNodePlan(**PLAN_FIELDS)
     assert plan.local_ranks == [4, 5, 6, 7]
     env = plan.rank_env(6)
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
@@ -211,6 +222,69 @@ def test_each_rank_gets_the_multi_node_torchrun_contract():
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("head", "29400")
     assert env["TORCHELASTIC_RUN_ID"] == "run7"
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+def test_ranks_get_the_interface_that_reaches_the_endpoint_unless_one_was_set(monkeypatch):
+    route = route_to(HEAD, 29400)  # one of this machine's own addresses: its own interface
+    assert route is not None and route.interface == loopback_interface()
+    assert route.address == HEAD
+    assert socket_env(route, {}) == {
+        "GLOO_SOCKET_IFNAME": route.interface,
+        "NCCL_SOCKET_IFNAME": route.interface,
+    }
+    assert socket_env(route, {"GLOO_SOCKET_IFNAME": "eth9"}) == {
+        "NCCL_SOCKET_IFNAME": route.interface
+    }
+    assert f"gloo and NCCL use {route.interface} ({HEAD})" in describe(route, {})
+    assert (
+        describe(route, {"NCCL_SOCKET_IFNAME": "ib0"}) == "network: NCCL_SOCKET_IFNAME=ib0 (as set)"
+    )
+    assert "no interface found" in describe(None, {})
+    assert route_to("no-such-host.invalid", 29400) is None
+
+    fake = Route("10.0.0.1", "eth7", "10.0.0.2")
+    plan = MultiNodePlan(**{**PLAN_FIELDS, "route": fake})
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    env = plan.rank_env(1)
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("eth7", "ib0")
+
+
+def test_a_peer_connection_that_fails_says_the_address_the_node_and_what_to_set(monkeypatch):
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    message = (
+        "Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: "
+        "Connection refused, remote=[127.0.0.1]:46477"
+    )
+    hint = connect_hint(message, 3)
+    assert hint is not None
+    assert "rank 3 on node 1" in hint and "interface eth0" in hint
+    assert "127.0.0.1:46477" in hint and "loopback" in hint
+    assert "GLOO_SOCKET_IFNAME" in hint and "NCCL_SOCKET_IFNAME" in hint
+    assert connect_hint("some other error", 3) is None
+
+
+def test_a_bounded_store_gives_up_on_a_call_that_gets_no_answer():
+    answered = threading.Event()
+
+    class Silent:
+        def check(self, keys):
+            return True
+
+        def get(self, key):
+            answered.wait(10)  # a partition: no answer
+            return b"late"
+
+    store = BoundedStore(Silent(), timeout=0.3)
+    assert store.check(["k"]) is True
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="no answer for 0.3 s"):
+        store.get("k")
+    assert time.monotonic() - began < 2
+    with pytest.raises(TimeoutError):  # at once from then on
+        store.check(["k"])
+    answered.set()
 
 
 def test_num_nodes_without_an_endpoint_is_refused_before_anything_starts():
@@ -431,7 +505,7 @@ def test_interrupt_while_nodes_gather_closes_the_rendezvous(nodes):
     thread.join(5)
     assert signal.getsignal(signal.SIGINT) is handler_before
     assert joiner.wait(20) == 1, joiner.output()  # told the run was closed, not left waiting
-    assert "closed" in joiner.output()
+    assert "before it started: interrupted in the notebook" in joiner.output()
     assert not port_answers(HEAD, nodes.port)
 
 

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from nblaunch.cluster.store import BoundedStore
 from nblaunch.cluster.trust import RunSecret
 
 # The format of the settings a joining node reads; a node refuses a run of another format.
@@ -30,6 +31,13 @@ PUSH_INTERVAL_S = 0.05
 BEAT_INTERVAL_S = 1.0
 # A batch holds at most this many events, so one push stays small.
 MAX_BATCH = 2000
+# How often a node waiting for the others looks whether the notebook stopped the run; the
+# notebook keeps the store up twice as long after saying so.
+GATHER_POLL_S = 0.25
+# A joined node's calls to the store while its ranks run give up after this long (BoundedStore):
+# a node cut off from the notebook takes it as lost then, stops its ranks and exits. A blip of
+# a few seconds (TCP retransmits once the link is back) is not a loss.
+NOTEBOOK_SILENCE_S = 8.0
 
 
 class Keys:
@@ -44,6 +52,7 @@ class Keys:
         self.complete = base + "complete"  # set once every node joined: latecomers are refused
         self.up = base + "up"  # queue: batches of events from the other nodes
         self.control = base + "control"  # what the notebook tells the other nodes to do
+        self.reason = base + "reason"  # why the notebook stopped the run, set before "stop"
         self._base = base
 
     def task(self, number: int) -> str:
@@ -126,23 +135,40 @@ class Uplink:
 
     def close(self) -> None:
         self._stop.set()
-        if self._beat is not None:
+        if self._beat is not None and self.lost is None:  # a lost one may hang until its timeout
             self._beat.join(5.0)
         self.push()
 
 
+def read_reason(store: Any, keys: Keys, secret: RunSecret) -> str:
+    """Why the notebook stopped the run, as it said under ``keys.reason`` ("" when it did not).
+
+    Raises
+    ------
+    AuthenticationError
+        When the value was not written with the run's secret.
+    """
+    if not store.check([keys.reason]):
+        return ""
+    return secret.verify(store.get(keys.reason), keys.reason).decode(errors="replace")
+
+
 def beat_store(store: Any) -> Any:
-    """A second connection to the store, for the beat thread (a client is not shared)."""
+    """A second connection to the store, for the beat thread (a client is not shared); its
+    calls are bounded in time as ``store``'s are."""
     try:
+        if isinstance(store, BoundedStore):
+            return BoundedStore(store.clone(), store.timeout)
         return store.clone()
     except Exception:
         return None
 
 
 def local_host_name(local_addr: str | None = None) -> str:
-    """How a node is named in the notebook: its hostname (and address, when one was given)."""
+    """How a node is named in the notebook: its hostname and its address (``vm at 10.0.0.2``;
+    hostnames alone may be the same on every node)."""
     name = socket.gethostname()
-    return f"{name} ({local_addr})" if local_addr and local_addr != name else name
+    return f"{name} at {local_addr}" if local_addr and local_addr != name else name
 
 
 def rank_span(first: int, last: int) -> str:

@@ -20,6 +20,7 @@ from nblaunch.cluster.channel import (
     CONTROL_OK,
     CONTROL_REJOIN,
     CONTROL_STOP,
+    GATHER_POLL_S,
     Keys,
     local_host_name,
 )
@@ -39,8 +40,12 @@ from nblaunch.events import Event, EventSink, NullView, diagnosis
 
 # Where the notebook node's news about the other nodes is kept, in the run directory.
 NODES_LOG = "nodes.log"
-# A node that sent nothing (not even its once-a-second beat) for this long is taken as lost.
-NODE_SILENCE_S = 30.0
+# A node that sent nothing (not even its once-a-second beat) for this long is taken as lost;
+# it takes the notebook as lost after NOTEBOOK_SILENCE_S of its own, and stops its ranks.
+NODE_SILENCE_S = 8.0
+# Once a rank lost a connection (a peer's failure, not yet explained), a node silent for this
+# long (beats are 1 s apart) is the one that went: its join was killed, or its link is down.
+PEER_SILENCE_S = 2.5
 
 
 class Head:
@@ -55,10 +60,13 @@ class Head:
         self.server = host_store(host, port)
         self.store = connect_store(host, port)
         self.handler: Any = None  # torch's rendezvous handler (set by Rendezvous), left at close
-        self.hosts: dict[int, str] = {0: local_host_name()}  # node rank -> name
+        here = plan.route.address if plan.route else None
+        self.hosts: dict[int, str] = {0: local_host_name(here)}  # node rank -> name
         self.last_seen: dict[int, float] = {}  # node rank -> monotonic time of its last batch
         self.silence_s = NODE_SILENCE_S  # read here, so that a test can shorten it
+        self.peer_silence_s = PEER_SILENCE_S
         self.done: set[int] = set()  # nodes that reported their ranks stopped
+        self.unreachable: set[int] = set()  # nodes taken as lost: none waits for them
         self.errors: list[tuple[int, str]] = []  # (node, message) of nodes that broke down
         self._control: str | None = None
         # Only holders of the run's secret may write what this kernel reads (cluster.trust).
@@ -158,11 +166,16 @@ class Head:
         with contextlib.suppress(Exception):
             self.store.set(key, self.secret.seal(ranks, key))
 
-    def control(self, value: str) -> None:
-        """Tell every other node what to do with its ranks (``ok``, ``stop``, ``interrupt``)."""
+    def control(self, value: str, reason: str = "") -> None:
+        """Tell every other node what to do with its ranks (``ok``, ``stop``, ``interrupt``);
+        ``reason``: why the run stops, for the nodes to say."""
         if value == self._control or self._control in (CONTROL_OK, CONTROL_STOP, CONTROL_REJOIN):
             return  # final; only an interrupt may be followed by another value
         self._control = value
+        if reason:  # before the control value: a node reads it when it sees "stop"
+            reason = reason.replace(self.secret.text, "<the run's secret>")  # for their logs
+            with contextlib.suppress(Exception):
+                self.store.set(self.keys.reason, self.secret.sign(reason, self.keys.reason))
         with contextlib.suppress(Exception):
             self.store.set(self.keys.control, self.secret.sign(value, self.keys.control))
 
@@ -171,12 +184,14 @@ class Head:
         """The last control value sent to the other nodes (None while the run goes on)."""
         return self._control
 
-    def silent_nodes(self) -> list[int]:
+    def silent_nodes(self, silence_s: float | None = None) -> list[int]:
+        """The nodes not heard from for ``silence_s`` (default: ``self.silence_s``)."""
         now = time.monotonic()
+        silence_s = self.silence_s if silence_s is None else silence_s
         return sorted(
             node
             for node, seen in self.last_seen.items()
-            if node not in self.done and now - seen > self.silence_s
+            if node not in self.done and now - seen > silence_s
         )
 
     def pop_all(self, key: str) -> list[Any]:
@@ -318,12 +333,15 @@ class Rendezvous:
                     problem = starter.problem(others) if starter is not None else None
                     if problem is not None:
                         raise LaunchError(f"{problem}. Nothing was started.")
-            except BaseException:
-                self.close()
+            except BaseException as exc:
+                self.close(_reason(exc))
                 raise
         if "error" in outcome:
-            self.close()
-            self._raise_error(outcome["error"], timeout)
+            try:
+                self._raise_error(outcome["error"], timeout)
+            except BaseException as exc:
+                self.close(_reason(exc))
+                raise
         info = outcome["info"]
         head.store.set(keys.head_rank, head.secret.sign(str(info.rank), keys.head_rank))
         head.store.set(keys.complete, head.secret.sign("1", keys.complete))
@@ -343,7 +361,6 @@ class Rendezvous:
             if not isinstance(record, dict) or "host" not in record:
                 continue
             if record.get("error"):
-                self.close()
                 raise LaunchError(
                     f"node {record['host']} cannot join the run at {head.endpoint}: "
                     f"{record['error']}. Nothing was started."
@@ -379,11 +396,13 @@ class Rendezvous:
             f"the rendezvous at {head.endpoint} failed: {type(error).__name__}: {error}"
         ) from error
 
-    def close(self) -> None:
-        """Close the rendezvous, so nodes still waiting (or arriving late) give up at once."""
+    def close(self, reason: str) -> None:
+        """Close the rendezvous, so nodes still waiting (or arriving late) give up at once and
+        say ``reason``."""
         head = self.head
-        with contextlib.suppress(Exception):
-            head.store.set(head.keys.control, head.secret.sign(CONTROL_STOP, head.keys.control))
+        head.control(CONTROL_STOP, reason)
+        if self.arrived:  # nodes wait in the rendezvous: let them read why before it closes
+            time.sleep(2 * GATHER_POLL_S)
         with contextlib.suppress(Exception):
             closer = rendezvous_handler(
                 connect_store(head.host, head.port, timeout=5.0),
@@ -395,3 +414,10 @@ class Rendezvous:
                 head.endpoint,
             )
             closer.set_closed()
+
+
+def _reason(exc: BaseException) -> str:
+    """Why the notebook stopped the run, as the other nodes say it."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted in the notebook"
+    return f"{type(exc).__name__}: {exc}"[:500]

@@ -19,10 +19,22 @@ import threading
 import time
 from typing import Any, TextIO
 
-from nblaunch.cluster.channel import CONFIG_VERSION, Keys, first_line, local_host_name, rank_span
+from nblaunch.cluster.channel import (
+    CONFIG_VERSION,
+    CONTROL_STOP,
+    GATHER_POLL_S,
+    NOTEBOOK_SILENCE_S,
+    Keys,
+    first_line,
+    local_host_name,
+    rank_span,
+    read_reason,
+)
+from nblaunch.cluster.network import describe, route_to
 from nblaunch.cluster.node_run import Ending, NodeRun
 from nblaunch.cluster.plan import plan_for_joined_node
 from nblaunch.cluster.store import (
+    BoundedStore,
     connect_store,
     node_rank_of,
     parse_endpoint,
@@ -42,6 +54,8 @@ EXIT_FAILED = 1  # the run failed, was stopped or interrupted, or the notebook w
 EXIT_USAGE = 2  # no such run, endpoint unreachable: nothing ran here
 # Not an exit code: a pool restarts, and this node joins its next start.
 REJOIN = -1
+# The thread that waits in torch's rendezvous while the main thread watches the notebook.
+GATHER_THREAD = "nblaunch-rendezvous"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -89,7 +103,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_from_args(args: argparse.Namespace) -> int:
-    return join(
+    code = join(
         args.endpoint,
         args.run_id,
         start_method=args.start_method,
@@ -97,6 +111,15 @@ def _run_from_args(args: argparse.Namespace) -> int:
         connect_timeout=args.connect_timeout,
         secret_file=args.secret_file,
     )
+    gathering = any(t.name == GATHER_THREAD and t.is_alive() for t in threading.enumerate())
+    if BoundedStore.any_stuck or gathering:
+        # A thread is still in a call on the notebook's store (lost, or closed while this node
+        # waited): the interpreter's exit would wait for it, seconds to minutes. The ranks, if
+        # any, are stopped.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +235,8 @@ def _join_once(
             "nblaunch on every node"
         )
         return EXIT_USAGE
-    name = local_host_name(local_addr)
+    route = route_to(host, port)  # named by its address: the hostname may be the same everywhere
+    name = local_host_name(local_addr or (route.address if route else None))
     try:  # check the devices before joining, so the notebook learns at once
         plan_for_joined_node(
             config, node_rank=1, run_id=run_id, master_addr=host, start_method=start_method
@@ -235,13 +259,19 @@ def _join_once(
     )
     try:
         with unshared_rendezvous_store():
-            info = handler.next_rendezvous()
+            info = _gather(handler, store, keys, secret)
         head_rank = int(secret.verify(store.get(keys.head_rank), keys.head_rank))
-    except (RendezvousClosedError, RendezvousGracefulExitError):
-        say(f"run {run_id} was closed before every node joined (interrupted or timed out)")
+    except NotebookStopped as exc:
+        say(f"the notebook stopped run {run_id} before it started: {exc}")
         return EXIT_FAILED
-    except RendezvousTimeoutError:
-        say(f"not every node joined run {run_id} in time; nothing ran")
+    except (RendezvousClosedError, RendezvousGracefulExitError, RendezvousTimeoutError) as exc:
+        reason = _reason_soon(store, keys, secret)  # the notebook's words, when it said them
+        if reason:
+            say(f"the notebook stopped run {run_id} before it started: {reason}")
+        elif isinstance(exc, RendezvousTimeoutError):
+            say(f"not every node joined run {run_id} in time; nothing ran")
+        else:
+            say(f"run {run_id} was closed before every node joined (interrupted or timed out)")
         return EXIT_FAILED
     except KeyboardInterrupt:
         say("interrupted while the nodes gathered")
@@ -264,10 +294,66 @@ def _join_once(
     _terminate_as_interrupt()
     ranks = plan.local_ranks
     say(f"node {node_rank} of {plan.num_nodes}: {rank_span(ranks[0], ranks[-1])}")
-    ending = NodeRun(plan, payload, store, keys, name, say, secret, handler).run()
+    say(describe(plan.route))
+    # A client whose calls give up soon: a partition is seen in seconds, not minutes.
+    live = BoundedStore(connect_store(host, port), NOTEBOOK_SILENCE_S)
+    ending = NodeRun(plan, payload, live, keys, name, say, secret, handler).run()
     if ending is Ending.REJOIN:
         return REJOIN
     return EXIT_OK if ending is Ending.FINISHED else EXIT_FAILED
+
+
+class NotebookStopped(Exception):
+    """The notebook stopped the run while this node waited for the others; the message is the
+    notebook's reason."""
+
+
+def _gather(handler: Any, store: Any, keys: Keys, secret: RunSecret) -> Any:
+    """``handler.next_rendezvous()``, on a thread while this one watches the notebook's control
+    key: a run that fails in the notebook before every node joined (a timeout, a node that
+    cannot take part, an interrupt) ends the wait at once, with the notebook's reason.
+
+    Raises
+    ------
+    NotebookStopped
+        When the notebook stopped the run.
+    """
+    outcome: dict[str, Any] = {}
+
+    def gather() -> None:
+        try:
+            outcome["info"] = handler.next_rendezvous()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=gather, name=GATHER_THREAD, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(GATHER_POLL_S)
+        if thread.is_alive() and store.check([keys.control]):
+            try:
+                value = secret.verify(store.get(keys.control), keys.control).decode()
+            except AuthenticationError:
+                continue  # forged: the rendezvous goes on
+            if value == CONTROL_STOP:
+                raise NotebookStopped(read_reason(store, keys, secret) or "no reason given")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["info"]
+
+
+def _reason_soon(store: Any, keys: Keys, secret: RunSecret) -> str:
+    """The notebook's reason for stopping the run, waited for a moment (its own timeout may
+    fire just after this node's); "" when it gives none or is gone."""
+    deadline = time.monotonic() + 4 * GATHER_POLL_S
+    while True:
+        try:
+            reason = read_reason(store, keys, secret)
+        except Exception:
+            return ""
+        if reason or time.monotonic() > deadline:
+            return reason
+        time.sleep(GATHER_POLL_S / 2)
 
 
 def _terminate_as_interrupt() -> None:

@@ -25,6 +25,7 @@ from nblaunch.cluster.channel import (
     Uplink,
     beat_store,
     first_line,
+    read_reason,
 )
 from nblaunch.cluster.plan import MultiNodePlan
 from nblaunch.cluster.trust import RunSecret
@@ -63,8 +64,9 @@ class NodeRun:
         handler: Any = None,
     ) -> None:
         self.plan = plan
+        self.endpoint = f"{plan.master_addr}:{plan.master_port}"
         self.payload = payload
-        self.store = store
+        self.store = store  # a BoundedStore: calls give up after NOTEBOOK_SILENCE_S
         self.keys = keys
         self.name = name
         self.say = say
@@ -110,7 +112,11 @@ class NodeRun:
                             {"kind": "death", "rank": rank.rank, "exitcode": rank.exitcode}
                         )
                 if uplink.lost is not None:
-                    self.say(f"lost the notebook ({uplink.lost}); stopping this node's ranks")
+                    self.say(
+                        f"lost the notebook at {self.endpoint} ({uplink.lost}); stopping this "
+                        "node's ranks"
+                    )
+                    outcome = f"lost the notebook at {self.endpoint}"
                     break
                 control = self._control()
                 if control is None and plan.pool:
@@ -129,6 +135,9 @@ class NodeRun:
                     break
                 elif control == CONTROL_STOP:
                     outcome = "interrupted" if interrupted else "stopped by the notebook"
+                    reason = self.reason()
+                    if reason:
+                        outcome += f": {reason}"
                     break
                 elif control == CONTROL_REJOIN:
                     outcome = "stopped: the pool restarts"
@@ -142,7 +151,9 @@ class NodeRun:
             supervisor.stop(grace=STOP_GRACE_S)
             if relay is not None:
                 relay.drain_output(timeout=1.0)
-            if self.handler is not None:  # before "done": the notebook closes the store then
+            # Before "done": the notebook closes the store then. A lost store would make it
+            # wait out its timeout.
+            if self.handler is not None and uplink.lost is None:
                 with contextlib.suppress(Exception):
                     self.handler.shutdown()
             uplink.news("done", outcome=outcome)
@@ -199,6 +210,13 @@ class NodeRun:
             except Exception:
                 return
             time.sleep(0.1)
+
+    def reason(self) -> str:
+        """Why the notebook stopped the run ("" when it did not say, or cannot be read)."""
+        try:
+            return read_reason(self.store, self.keys, self.secret)
+        except Exception:
+            return ""
 
     def _note(self, events: list[dict[str, Any]]) -> None:
         for event in events:

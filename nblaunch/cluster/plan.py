@@ -7,11 +7,13 @@ from the settings it reads in the store and its own devices (:func:`plan_for_joi
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import socket
 from typing import Any
 
 from nblaunch.cluster.channel import CONFIG_VERSION
+from nblaunch.cluster.network import Route, describe, route_to, socket_env
 from nblaunch.cluster.store import listen_on, parse_endpoint
 from nblaunch.engine.plan import LaunchPlan, detect_devices, plan_launch
 from nblaunch.errors import LaunchError
@@ -31,6 +33,8 @@ class MultiNodePlan(LaunchPlan):
     node_rank: int = 0
     rdzv_run_id: str = "nblaunch"
     pool: bool = False  # ranks stay up between tasks, which come through the store
+    # How this node reaches the rendezvous endpoint: its ranks' gloo/NCCL interface.
+    route: Route | None = None
 
     @property
     def local_ranks(self) -> list[int]:
@@ -62,6 +66,8 @@ class MultiNodePlan(LaunchPlan):
             # (torch's env:// init honours this too, for code that sets up its own group).
             TORCHELASTIC_USE_AGENT_STORE="True",
         )
+        # Never the address the hostname resolves to (often loopback): the endpoint's interface.
+        env.update(socket_env(self.route))
         return env
 
     def node_config(self) -> dict[str, Any]:
@@ -125,6 +131,7 @@ def plan_for_joined_node(
         rdzv_run_id=run_id,
         pool=bool(config.get("pool")),
         mixed_precision=config.get("mixed_precision"),  # absent from an older notebook's
+        route=route_to(master_addr, config["master_port"]),
     )
 
 
@@ -150,6 +157,14 @@ def plan_nodes(
         raise LaunchError("multi-node runs support CUDA and CPU ranks, not XLA devices")
     values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     values.update(world_size=base.world_size * nodes.num_nodes, master_port=port)
+    route = route_to(host, port)
+    values["notes"] = [*base.notes, describe(route)]
+    if route is not None and ipaddress.ip_address(route.target).is_loopback:
+        values["warnings"] = [
+            *base.warnings,
+            f"rdzv_endpoint {host} is a loopback address ({route.target}): other machines "
+            "cannot reach it; give this machine's address on the network they share",
+        ]
     return MultiNodePlan(
         **values,
         num_nodes=nodes.num_nodes,
@@ -157,4 +172,5 @@ def plan_nodes(
         node_rank=0,
         rdzv_run_id=nodes.rdzv_id or base.run_id,
         pool=pool,
+        route=route,
     )

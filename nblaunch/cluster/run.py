@@ -50,6 +50,7 @@ from nblaunch.cluster.channel import (
     CONTROL_OK,
     CONTROL_REJOIN,
     CONTROL_STOP,
+    NOTEBOOK_SILENCE_S,
     rank_span,
 )
 from nblaunch.cluster.head import Head
@@ -196,7 +197,7 @@ class RemoteNodes:
         waiting = set(range(1, self.head.plan.num_nodes)) - self.head.done
         while waiting and time.monotonic() < deadline:
             self.pull(relay)
-            waiting -= self.head.done
+            waiting -= self.head.done | self.head.unreachable
             waiting -= set(self.head.silent_nodes())
             if waiting:
                 time.sleep(0.05)
@@ -214,21 +215,47 @@ class _NodeMonitor:
 
     def check(self, run: Run) -> RootCause | None:
         head = self.head
-        problems = [(node, message) for node, message in head.errors]
+        stopped = "the run was stopped on every node"
+        # It cannot be told: it stops its ranks when it has not reached the notebook for
+        # NOTEBOOK_SILENCE_S (or they ended with its join).
+        untold = (
+            "the run was stopped on the other nodes; that node cannot be told and stops its "
+            f"own ranks by itself once it has not reached this notebook for "
+            f"{NOTEBOOK_SILENCE_S:g} s"
+        )
+        problems = [(node, message, stopped) for node, message in head.errors]
         problems += [
-            (node, f"sent nothing for {head.silence_s:g} s (its machine or network may be down)")
+            (
+                node,
+                f"sent nothing for {head.silence_s:g} s (its machine, or the network to it, "
+                "may be down)",
+                untold,
+            )
             for node in head.silent_nodes()
         ]
+        peer = run.outcome.failures[0] if run.outcome.failures else None
+        if peer is not None and peer.secondary and not run.outcome.primaries():
+            problems += [
+                (
+                    node,
+                    f"went silent ({head.peer_silence_s:g} s) when rank {peer.rank} lost its "
+                    "connection to it: its join was stopped or killed, or its machine or "
+                    "network went down",
+                    untold,
+                )
+                for node in head.silent_nodes(head.peer_silence_s)
+            ]
         if not problems:
             return None
-        node, message = problems[0]
+        node, message, after = problems[0]
+        if after == untold:
+            head.unreachable.add(node)
         plan = head.plan
         first = node * plan.nproc_per_node
         host = head.hosts.get(node, f"node {node}")
         text = (
             f"node {node} ({host}), {rank_span(first, first + plan.nproc_per_node - 1)}, "
-            f"{message}; "
-            "the run was stopped on every node"
+            f"{message}; {after}"
         )
         for rank in range(first, first + plan.nproc_per_node):
             run.set_state(rank, RunState.FAILED, message[:200])
@@ -306,6 +333,17 @@ class MultiNodeRun(Run):
         super().stop_on_interrupt()
 
     def finish(self) -> None:
-        ok = len(self.outcome.results) == self.plan.world_size and self.outcome.root is None
-        self.head.control(CONTROL_OK if ok else CONTROL_STOP)
+        root = self.outcome.root
+        ok = len(self.outcome.results) == self.plan.world_size and root is None
+        self.head.control(CONTROL_OK if ok else CONTROL_STOP, "" if ok else _reason(root))
         super().finish()
+
+
+def _reason(root: RootCause | None) -> str:
+    """Why the run stopped, in a line, for the other nodes to say."""
+    if root is None:
+        return "interrupted in the notebook"
+    text = (root.message.strip().splitlines() or [""])[0][:500]
+    if root.cause is Cause.FAILURE:
+        return f"rank {root.rank} raised {root.exc_type.rsplit('.', 1)[-1]}: {text}"
+    return text

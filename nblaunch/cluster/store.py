@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
+import queue
 import signal
 import socket
 import threading
@@ -97,6 +99,61 @@ def connect_store(host: str, port: int, timeout: float = STORE_TIMEOUT_S) -> Any
     import torch.distributed as dist
 
     return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+
+
+class BoundedStore:
+    """A store client whose every call gives up after ``timeout`` s with a ``TimeoutError``.
+
+    A TCPStore client waits for an answer as long as TCP keeps the connection, which for a
+    link that went down is many minutes. Each call runs on this client's own (daemon) thread
+    while the caller waits at most ``timeout``; after one call went unanswered every later call
+    fails at once, and the stuck one is left on its thread.
+    """
+
+    # Some call of some client went unanswered: its thread is stuck in torch's client, whose
+    # destruction at interpreter exit would wait for it (``join`` then exits with os._exit).
+    any_stuck = False
+
+    def __init__(self, store: Any, timeout: float) -> None:
+        self.store = store
+        self.timeout = timeout
+        self.stuck: str | None = None
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="nblaunch-store", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            method, args, answer, done = self._calls.get()
+            try:
+                answer.append((True, method(*args)))
+            except BaseException as exc:
+                answer.append((False, exc))
+            done.set()
+
+    def call(self, name: str, *args: Any) -> Any:
+        """``store.<name>(*args)``, within ``timeout``.
+
+        Raises
+        ------
+        TimeoutError
+            When the store did not answer in time (this call, or an earlier one).
+        """
+        if self.stuck is not None:
+            raise TimeoutError(self.stuck)
+        answer: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._calls.put((getattr(self.store, name), args, answer, done))
+        if not done.wait(self.timeout):
+            self.stuck = f"no answer for {self.timeout:g} s"
+            BoundedStore.any_stuck = True
+            raise TimeoutError(self.stuck)
+        ok, value = answer[0]
+        if not ok:
+            raise value
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        return functools.partial(self.call, name)
 
 
 def wait_for_port(host: str, port: int, timeout: float) -> bool:

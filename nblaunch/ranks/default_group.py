@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import re
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,16 +180,45 @@ def _make(
         options["timeout"] = timeout
     if pg_options is not None:
         options["pg_options"] = pg_options
-    _original_init(
-        backend=backend,
-        store=store,
-        rank=shared.rank,
-        world_size=shared.world_size,
-        device_id=device_id,
-        **options,
-    )
+    try:
+        _original_init(
+            backend=backend,
+            store=store,
+            rank=shared.rank,
+            world_size=shared.world_size,
+            device_id=device_id,
+            **options,
+        )
+    except RuntimeError as exc:
+        hint = connect_hint(str(exc), shared.rank)
+        if hint:
+            exc.add_note(hint)
+        raise
     shared.group = GroupMember.WORLD
     shared.timeout = timeout
+
+
+def connect_hint(message: str, rank: int) -> str | None:
+    """What to set when a rank could not connect to a peer (gloo's ``remote=[ADDR]:PORT``):
+    which address was tried, from which node and interface. None for other errors."""
+    tried = re.search(r"remote=\[([^\]]+)\]:(\d+)", message)
+    if tried is None:
+        return None
+    address = tried.group(1)
+    interface = os.environ.get("GLOO_SOCKET_IFNAME") or "gloo's own choice"
+    hint = (
+        f"nblaunch: rank {rank} on node {os.environ.get('NODE_RANK', '0')} "
+        f"({socket.gethostname()}, interface {interface}) could not connect to a peer at "
+        f"{address}:{tried.group(2)}. "
+    )
+    if address.startswith("127.") or address == "::1":
+        hint += "That peer advertised a loopback address: its hostname resolves to loopback. "
+    return hint + (
+        "Set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for NCCL) in the environment of the "
+        "notebook and of every join to the interface of the network the nodes share "
+        "(`ip route get <other node's address>` names it), and let the nodes connect to each "
+        "other on any TCP port."
+    )
 
 
 def _default_device_id() -> Any:

@@ -1,0 +1,252 @@
+"""Multi-node faults on a real network: how long until each side says so, and the relay's rate.
+
+Two hosts are Linux network namespaces joined by a veth pair (``tests/netns.py``; needs root and
+``ip``): the notebook's side (``tests/netns_notebook.py``, 1 CPU rank, DDP on gloo) on one,
+``python -m nblaunch join`` on the other. Each fault is made for real, and timed from the moment
+it was made (one clock: both namespaces run on this machine):
+
+- a partition: the joined host's link taken down while DDP trains;
+- a blip: the link down for 2 s, then up again (the run must go on);
+- the join SIGKILLed; the notebook's process SIGKILLed;
+- the notebook's run failing after the start (rank 0 raises), and before it (interrupted while
+  the nodes gather): from the notebook's end to the join's.
+
+Then the relay: the joined node's rank prints ``--lines`` lines, across the veth and, for
+comparison, on loopback (both sides in this namespace, on 127.0.0.2).
+
+Prints one markdown table per part.
+
+    sudo python benchmarks/bench_network.py [--repeat 3] [--lines 50000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from netns import Network, Side, alive, skip_reason  # noqa: E402
+
+PORT = 29400
+NOTEBOOK = str(REPO / "tests" / "netns_notebook.py")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+class Trial:
+    """One notebook and one join, on two namespaces (or on loopback, ``net=None``)."""
+
+    def __init__(self, tmp: Path, net: Network | None, function: str, num_nodes: int = 2) -> None:
+        host = net.addresses[0] if net else "127.0.0.2"
+        self.endpoint = f"{host}:{PORT if net else free_port(host)}"
+        self.run_id = f"bench{os.getpid()}{int(time.time() * 1000) % 100000}"
+        self.net = net
+        argv = [sys.executable, NOTEBOOK, self.endpoint, self.run_id, str(tmp / self.run_id)]
+        self.notebook = Side(self._on(0, [*argv, function, str(num_nodes)]), tmp / "nb.log")
+        join = [sys.executable, "-m", "nblaunch", "join", self.endpoint, "--run-id", self.run_id]
+        self.join = Side(self._on(1, join), tmp / "join.log")
+
+    def _on(self, host: int, argv: list[str]) -> list[str]:
+        return self.net.command(host, *argv) if self.net else argv
+
+    def until(self, predicate, timeout: float) -> dict | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.notebook.first(predicate)
+            if found:
+                return found
+            time.sleep(0.02)
+        return None
+
+    def training(self) -> None:
+        if not self.until(lambda r: r.get("line") == "training", 90):
+            raise RuntimeError(f"never trained:\n{self.notebook.output()[-2000:]}")
+
+    def end(self, timeout: float) -> dict:
+        found = self.until(lambda r: "end" in r, timeout)
+        if found is None:
+            raise RuntimeError(f"the notebook did not end:\n{self.notebook.output()[-2000:]}")
+        return found
+
+    def close(self) -> list[str]:
+        """Stop what is left; return what was still running 15 s after the fault's outcome."""
+        pids = self.notebook.tree() | self.join.tree()
+        deadline = time.monotonic() + 15
+        while alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = alive(pids)
+        for side in (self.notebook, self.join):
+            side.kill()
+        return left
+
+
+def partition(trial: Trial) -> dict:
+    trial.training()
+    fault = time.time()
+    trial.net.link(1, up=False)
+    end = trial.end(30)
+    trial.join.wait(30)
+    return {
+        "notebook": end["t"] - fault,
+        "join": (trial.join.ended_at or float("nan")) - fault,
+        "ok": end.get("type") == "RankFailedError"
+        and trial.join.line_with("lost the notebook") is not None,
+    }
+
+
+def blip(trial: Trial) -> dict:
+    trial.training()
+    trial.net.link(1, up=False)
+    time.sleep(2.0)
+    trial.net.link(1, up=True)
+    end = trial.end(60)
+    return {"notebook": None, "join": None, "ok": end["end"] == "returned"}
+
+
+def join_killed(trial: Trial) -> dict:
+    trial.training()
+    ranks = trial.join.tree() - {trial.join.process.pid}
+    fault = time.time()
+    os.kill(trial.join.process.pid, signal.SIGKILL)
+    end = trial.end(30)
+    gone = time.monotonic() + 10
+    while alive(ranks) and time.monotonic() < gone:
+        time.sleep(0.05)
+    return {"notebook": end["t"] - fault, "join": None, "ok": "node 1" in end.get("message", "")}
+
+
+def notebook_killed(trial: Trial) -> dict:
+    trial.training()
+    fault = time.time()
+    os.kill(trial.notebook.process.pid, signal.SIGKILL)  # its ranks follow (containment)
+    trial.join.wait(30)
+    return {
+        "notebook": None,
+        "join": (trial.join.ended_at or float("nan")) - fault,
+        "ok": trial.join.line_with("lost the notebook") is not None,
+    }
+
+
+def fails_after_start(trial: Trial) -> dict:
+    end = trial.end(120)
+    trial.join.wait(30)
+    return {
+        "notebook": None,
+        "join": (trial.join.ended_at or float("nan")) - end["t"],
+        "ok": trial.join.line_with("stopped by the notebook: rank 0 raised ValueError") is not None,
+    }
+
+
+def fails_before_start(trial: Trial) -> dict:
+    if not trial.until(lambda r: r.get("title", "").endswith(" joined"), 60):
+        raise RuntimeError("the join never arrived")
+    trial.notebook.process.send_signal(signal.SIGINT)
+    end = trial.end(30)
+    trial.join.wait(30)
+    return {
+        "notebook": None,
+        "join": (trial.join.ended_at or float("nan")) - end["t"],
+        "ok": trial.join.line_with("before it started: interrupted") is not None,
+    }
+
+
+FAULTS = [
+    ("a partition (link down)", "ddp", 2, partition, "10 s", "15 s"),
+    ("a 2 s blip (down, then up)", "short_ddp", 2, blip, "goes on", "goes on"),
+    ("the join SIGKILLed", "ddp", 2, join_killed, "5 s", "-"),
+    ("the notebook SIGKILLed", "ddp", 2, notebook_killed, "-", "15 s"),
+    ("the run fails after the start", "fail_on_rank_0", 2, fails_after_start, "-", "5 s"),
+    ("the run fails before the start", "short_ddp", 3, fails_before_start, "-", "5 s"),
+]
+
+
+def relay(tmp: Path, net: Network | None, count: int) -> float:
+    trial = Trial(tmp, net, "lines")
+    try:
+        end = trial.end(300)
+        began = end["results"][1][0]
+        return count / (end["t"] - began)
+    finally:
+        trial.close()
+
+
+def seconds(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    return f"{statistics.median(known):.1f} s" + (
+        f" ({min(known):.1f}-{max(known):.1f})" if len(known) > 1 else ""
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--lines", type=int, default=50_000)
+    args = parser.parse_args()
+    reason = skip_reason()
+    if reason:
+        sys.exit(f"bench_network: {reason}")
+    os.environ["PYTHONPATH"] = str(REPO)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, function, nodes, measure, want_nb, want_join in FAULTS:
+            results = []
+            for _ in range(args.repeat):
+                net = Network(2)
+                try:
+                    trial = Trial(Path(tmp), net, function, nodes)
+                    try:
+                        result = measure(trial)
+                    finally:
+                        result_left = trial.close()
+                    result["left"] = result_left
+                    results.append(result)
+                finally:
+                    net.close()
+            rows.append(
+                (
+                    name,
+                    seconds([r["notebook"] for r in results]),
+                    want_nb,
+                    seconds([r["join"] for r in results]),
+                    want_join,
+                    f"{sum(r['ok'] for r in results)}/{len(results)}",
+                    str(sum(len(r["left"]) for r in results)),
+                )
+            )
+        print(
+            "| fault | notebook says so after | asked | join ends after | asked | message right"
+            " | processes left |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        print()
+        net = Network(2)
+        try:
+            veth = [relay(Path(tmp), net, args.lines) for _ in range(args.repeat)]
+        finally:
+            net.close()
+        loop = [relay(Path(tmp), None, args.lines) for _ in range(args.repeat)]
+        print(f"| relay of a joined node's rank ({args.lines} lines) | lines/s |")
+        print("|---|---|")
+        print(f"| across the veth | {statistics.median(veth):,.0f} |")
+        print(f"| on loopback (127.0.0.2) | {statistics.median(loop):,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
