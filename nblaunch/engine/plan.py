@@ -26,6 +26,7 @@ from nblaunch.options import (
     FALSE_VALUES,
     LaunchOptions,
     check_environment,
+    checks_from_env,
     debug_from_env,
     env_whole,
     log_level_from_env,
@@ -58,6 +59,10 @@ class LaunchPlan:
     notes: list[str] = field(default_factory=list)
     # Extra settings for in-rank features, e.g. where a restarted batch-size search resumes.
     options: dict[str, Any] = field(default_factory=dict)
+    # Every rank sends a fingerprint of each collective and the launcher compares them
+    # (nblaunch.ranks.fingerprints, nblaunch.engine.checks); off under debug mode, which checks
+    # before each call instead.
+    checks: bool = False
     # The run's hold on run_dir while it lives, so that no pruning deletes it (run_dirs).
     run_lease: RunLease | None = field(default=None, repr=False, compare=False)
 
@@ -112,6 +117,7 @@ class LaunchPlan:
             "device_kind": self.device_kind,
             "start_method": self.start_method,
             "debug": self.debug,
+            "checks": self.checks,
             "run_dir": str(self.run_dir) if self.run_dir else "",
             "warnings": self.warnings if warnings is None else warnings,
             "notes": self.notes if notes is None else notes,
@@ -136,6 +142,7 @@ class LaunchPlan:
             "options": {
                 "log_level": self.log_level,
                 "hang_timeout": self.hang_timeout,
+                "checks": self.checks,
                 **self.options,
             },
         }
@@ -195,6 +202,7 @@ def plan_launch(
     port = choose_port(options.master_addr, options.master_port)
     backend = {"cuda": "nccl", "cpu": "gloo", "xla": "xla"}[device_type]
     run_dir, run_lease = new_run_dir(options.run_dir)
+    debug = debug_from_env() if options.debug is None else bool(options.debug)
     return LaunchPlan(
         world_size=num_processes,
         device_type=device_type,
@@ -202,7 +210,8 @@ def plan_launch(
         start_method=options.start_method,
         master_addr=options.master_addr,
         master_port=port,
-        debug=debug_from_env() if options.debug is None else bool(options.debug),
+        debug=debug,
+        checks=not debug and options.debug is None and checks_from_env(),
         init_process_group=bool(options.setup_process_group),
         timeout=options.timeout,
         hang_timeout=options.hang_timeout,

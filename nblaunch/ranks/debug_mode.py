@@ -7,6 +7,10 @@ as ``src``) to a single fixed-size ``all_gather``, and when the records disagree
 the same :class:`~nblaunch.errors.DistributedOperationException`, instead of hanging or silently
 corrupting tensors.
 
+Without debug mode the same records are checked out of band (on by default): :func:`verify`
+sends this rank's record to the launcher (:mod:`nblaunch.ranks.fingerprints`) and returns at
+once; the launcher compares the ranks' records and raises the same exception.
+
 This module owns that check (:func:`verify`) and the helpers every collective of nblaunch shares
 (torch's own functions, never debug mode's wrappers). The report's wording is in
 :mod:`nblaunch.ranks.debug_report`; torch.distributed and DDP, patched inside ranks while debug
@@ -27,7 +31,7 @@ from typing import Any
 
 from nblaunch.errors import DistributedOperationException
 from nblaunch.options import debug_from_env
-from nblaunch.ranks import worker
+from nblaunch.ranks import fingerprints, worker
 from nblaunch.ranks.debug_report import digest, mismatch_message
 
 # Bytes each rank contributes to the verification all_gather; a record is ~200 bytes, and one
@@ -52,6 +56,11 @@ def debug_enabled() -> bool:
     if context is not None:
         return context.debug
     return debug_from_env()
+
+
+def checks_enabled() -> bool:
+    """True when collectives are checked: by debug mode, or out of band (the default)."""
+    return debug_enabled() or fingerprints.checks_on()
 
 
 def in_group(group: Any = None) -> bool:
@@ -130,8 +139,10 @@ def verify(
 ) -> None:
     """Check that every rank of ``group`` makes the same collective call; raise if not.
 
-    One fixed-size ``all_gather`` of a small record per rank. Every rank receives every record
-    and reaches the same verdict, so either all ranks go on or all raise.
+    In debug mode, one fixed-size ``all_gather`` of a small record per rank: every rank
+    receives every record and reaches the same verdict, so either all ranks go on or all raise.
+    Otherwise the record goes to the launcher, which compares the ranks' records out of band
+    (:mod:`nblaunch.ranks.fingerprints`), and this returns at once.
 
     Parameters
     ----------
@@ -156,13 +167,16 @@ def verify(
     Raises
     ------
     DistributedOperationException
-        On every rank, when the records disagree.
+        In debug mode, on every rank, when the records disagree.
     """
     import torch.distributed as dist
 
     if not in_group(group) or dist.get_world_size(group) < 2:
         return
     record = _record(operation, list(inputs), rule, dim, args or {}, problem, outputs)
+    if not debug_enabled():
+        fingerprints.send(record, group)
+        return
     with verified_region():
         records = _exchange(record, group)
     message = mismatch_message(records)

@@ -276,7 +276,7 @@ def _verify_ddp_models() -> Callable[[], None]:
 
 
 def _task_hook(context: worker.RankContext) -> contextlib.AbstractContextManager[Any]:
-    if context.debug:
+    if context.debug or context.options.get("checks"):
         return verified_collectives()
     return contextlib.nullcontext()
 

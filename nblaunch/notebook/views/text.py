@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TextIO
 
-from nblaunch.events import Event, RunState
+from nblaunch.events import Event, RunState, checking_mode
 
 
 class TextView:
@@ -73,7 +73,7 @@ class TextView:
             self.world_size = event["world_size"]
             line = (
                 f"nblaunch: {event['world_size']} rank(s) on {event['device_kind']} "
-                f"({event['start_method']}{', debug' if event['debug'] else ''})"
+                f"({event['start_method']}, {checking_mode(event)})"
             )
             if event["run_dir"]:
                 line += f", logs in {event['run_dir']}"
