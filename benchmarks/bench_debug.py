@@ -22,6 +22,7 @@ shows the median over rounds.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import sys
 
@@ -34,8 +35,9 @@ BATCH = 64
 WIDTH = 256
 
 
-def train_step_timing(library: str, steps: int, warmup: int) -> float:
-    """Mean seconds per step on this rank (runs inside a rank)."""
+def train_step_timing(library: str, steps: int, warmup: int) -> tuple[float, float]:
+    """Mean seconds per step on this rank, wall-clock and CPU (every thread of the rank's
+    process: gloo's too). Runs inside a rank."""
     import os
     import time
 
@@ -82,30 +84,32 @@ def train_step_timing(library: str, steps: int, warmup: int) -> float:
     for _ in range(warmup):
         step()
     nblaunch.wait_for_everyone()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - started) / steps
+    return (time.perf_counter() - started) / steps, (time.process_time() - cpu) / steps
 
 
 # What each mode passes as notebook_launcher(debug=...).
 MODES = {"off": False, "default": None, "debug": True}
 
 
-def run(library: str, mode: str) -> float:
-    """Seconds per step of the slowest rank for one configuration.
+def run(library: str, mode: str) -> tuple[float, float, float]:
+    """Seconds per step of the slowest rank, the ranks' CPU seconds per step (summed) and the
+    launcher's CPU seconds for the whole launch, for one configuration.
 
     ``mode``: ``"off"`` (no checks), ``"default"`` (nblaunch's out-of-band checks; Accelerate
     has none), ``"debug"`` (the check before each call).
     """
 
-    def body() -> float:
+    def body() -> tuple[float, float]:
         import os
 
         if library == "accelerate" and mode == "debug":
             os.environ["ACCELERATE_DEBUG_MODE"] = "1"
         return train_step_timing(library, STEPS, WARMUP)
 
+    before = resource.getrusage(resource.RUSAGE_SELF)
     per_rank = nblaunch.notebook_launcher(
         body,
         num_processes=2,
@@ -113,7 +117,9 @@ def run(library: str, mode: str) -> float:
         debug=MODES[mode] if library == "nblaunch" else False,
         display="none",
     )
-    return max(per_rank)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    launcher_cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return max(w for w, _ in per_rank), sum(c for _, c in per_rank), launcher_cpu
 
 
 def main() -> None:
@@ -128,27 +134,37 @@ def main() -> None:
         ("accelerate", "debug", f"Accelerate {accelerate.__version__}, ACCELERATE_DEBUG_MODE=1"),
     ]
     run("nblaunch", "off")  # start the forkserver outside the measurements
-    times: dict[tuple[str, str], list[float]] = {(lib, mode): [] for lib, mode, _ in configs}
+    results: dict[tuple[str, str], list[tuple[float, float, float]]] = {
+        (lib, mode): [] for lib, mode, _ in configs
+    }
     for _ in range(ROUNDS):
         for library, mode, _ in configs:
-            times[(library, mode)].append(run(library, mode))
-    median = {key: statistics.median(values) for key, values in times.items()}
+            results[(library, mode)].append(run(library, mode))
 
     print(
         f"Cost of checking collectives on a DDP training step: MLP {WIDTH}-{WIDTH}-{WIDTH}-10, "
         f"batch {BATCH}, 2 CPU ranks, gloo, torch {torch.__version__}; each step also gathers "
         "the loss and sums the correct predictions (2 checked collectives, 3 with DDP's). "
-        f"Median of {ROUNDS} rounds of {STEPS} steps, slowest rank. The ratio is the median "
-        "over rounds of each round's time against the same round's checks-off time (rounds "
-        "interleave the configurations, so a busy moment of the machine hits both).\n"
+        f"Median of {ROUNDS} rounds of {STEPS} steps; rounds interleave the configurations. "
+        "Wall: the slowest rank's step; the ratio is each round's against the same round's "
+        "checks off (a busy moment of the machine hits both). CPU: both ranks' processes, per "
+        "step, and the launcher's over the whole launch per step, which a busy machine "
+        "does not inflate.\n"
     )
-    print("| configuration | ms / step | vs. its checks off, same round |")
-    print("|---|---:|---:|")
+    print(
+        "| configuration | wall ms / step | vs. checks off, same round | ranks' CPU ms / step "
+        "| launcher CPU ms / step |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    per_launch = STEPS + WARMUP
     for library, mode, label in configs:
-        ms = median[(library, mode)] * 1e3
-        rounds = zip(times[(library, mode)], times[(library, "off")], strict=True)
-        ratios = [t / off for t, off in rounds]
-        print(f"| {label} | {ms:.3f} | {statistics.median(ratios):.3f}x |")
+        rows = results[(library, mode)]
+        wall = statistics.median(w for w, _, _ in rows) * 1e3
+        off = results[(library, "off")]
+        ratio = statistics.median(r[0] / o[0] for r, o in zip(rows, off, strict=True))
+        cpu = statistics.median(c for _, c, _ in rows) * 1e3
+        launcher = statistics.median(lc for _, _, lc in rows) / per_launch * 1e3
+        print(f"| {label} | {wall:.3f} | {ratio:.3f}x | {cpu:.3f} | {launcher:.3f} |")
     sys.stdout.flush()
 
 

@@ -15,8 +15,8 @@ second of the second rank's call, even when gloo aborted a rank right after it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import pickle
 import socket
 import struct
 import uuid
@@ -45,7 +45,9 @@ class CallReader:
     namespace (its name travels in the ranks' set-up options), and one connection per rank and
     task. Nothing waits on it: :meth:`read` takes what arrived, without blocking.
 
-    Only processes of this user may connect (the abstract namespace has no file permissions).
+    Each message is a 4-byte length and a pickled ``CollectiveCall``. Only processes of this
+    user may connect (the abstract namespace has no file permissions), which may read this
+    process's memory anyway: their pickles are as trusted as the ranks' event pipes.
     """
 
     def __init__(self) -> None:
@@ -54,7 +56,7 @@ class CallReader:
         self.listener.bind("\0" + self.address)
         self.listener.listen(256)
         self.listener.setblocking(False)
-        self.connections: dict[socket.socket, bytes] = {}  # each with its unfinished line
+        self.connections: dict[socket.socket, bytes] = {}  # each with its unfinished message
 
     def read(self) -> list[dict[str, Any]]:
         """Every whole record that arrived since the last read."""
@@ -70,9 +72,15 @@ class CallReader:
             if not data:  # the task ended on that rank
                 self._drop(conn)
                 continue
-            *lines, rest = (self.connections[conn] + data).split(b"\n")
-            self.connections[conn] = rest
-            calls += [json.loads(line) for line in lines if line]
+            data = self.connections[conn] + data
+            start = 0
+            while len(data) - start >= 4:
+                (size,) = struct.unpack_from("<I", data, start)
+                if len(data) - start - 4 < size:
+                    break
+                calls.append(pickle.loads(data[start + 4 : start + 4 + size]))
+                start += 4 + size
+            self.connections[conn] = data[start:]
         return calls
 
     def _accept(self) -> None:

@@ -44,6 +44,7 @@ _CELL_FILE = re.compile(r"(ipykernel_\d+[/\\]\d+\.py$)|(^<ipython-input-\d+-)")
 # nblaunch's own frames, in any of its packages.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+_skipped_dirs: tuple[str, ...] | None = None  # the above and torch's, once torch is imported
 
 # Set while a verified call runs: collectives that torch calls internally (all_gather_object
 # calls all_gather) and the verification's own all_gather must not be verified again.
@@ -112,13 +113,16 @@ def call_site() -> str:
     Frames of nblaunch, torch and the standard library are skipped, so a collective that a library
     calls is reported at the library's line.
     """
-    import torch
+    global _skipped_dirs
+    if _skipped_dirs is None:
+        import torch
 
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+        torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+        _skipped_dirs = (_PACKAGE_DIR, torch_dir, _STDLIB_DIR)
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith((_PACKAGE_DIR, torch_dir, _STDLIB_DIR)):
+        if not filename.startswith(_skipped_dirs):
             if _CELL_FILE.search(filename):
                 return f"cell line {frame.f_lineno}"
             return f"{os.path.basename(filename)}:{frame.f_lineno}"

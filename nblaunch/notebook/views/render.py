@@ -75,7 +75,7 @@ CSS = """<style>
 
 
 def head_html(model: RunModel, elapsed_s: float) -> str:
-    """The header: ranks, device, start method, how collectives are checked, time, run directory, notes, warnings.
+    """The header: ranks, device, start method, checks, time, run directory, notes, warnings.
 
     ``elapsed_s`` is shown while the run goes on; once it ended, its own time is.
     """
