@@ -105,6 +105,62 @@ def test_a_shape_mismatch_gloo_lets_through_is_caught():
     assert elapsed < 10, elapsed
 
 
+def trainer_callback_mismatch():
+    """A Transformers ``Trainer`` (one-layer GPT-2, 6 steps) whose callback all-reduces on rank 0
+    only, at the end of step 2: rank 1 goes on into step 3's backward."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    os.environ["ACCELERATE_USE_CPU"] = "1"
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    ids = torch.randint(0, 100, (64, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    class LogOnRankZero(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if dist.get_rank() == 0 and state.global_step == 2:
+                dist.all_reduce(torch.ones(1))  # "log the mean loss", on one rank only
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = TrainingArguments(
+            output_dir=output_dir,
+            max_steps=6,
+            per_device_train_batch_size=4,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=GPT2LMHeadModel(config),
+            args=args,
+            train_dataset=data,
+            callbacks=[LogOnRankZero()],
+        )
+        assert args.world_size == 2
+        trainer.train()
+
+
+def test_a_collective_one_rank_adds_in_a_trainer_callback_is_named():
+    pytest.importorskip("transformers")
+    message, elapsed = reported(trainer_callback_mismatch, timeout=120)
+    line = line_of(trainer_callback_mismatch, "dist.all_reduce(torch.ones(1))")
+    assert f"rank 0 called all_reduce at test_checks.py:{line} while rank 1 " in message, message
+    assert elapsed < 60, elapsed  # most of it is importing transformers and building the model
+
+
 @pytest.mark.parametrize("how", ["debug=False", "NBLAUNCH_CHECKS=0"])
 def test_the_checks_can_be_turned_off(how, monkeypatch):
     kwargs = {}
