@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import pickle
+import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -10,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nblaunch import DistributedOperationException, notebook_launcher
-from nblaunch.engine.checks import CollectiveChecks, compare
+from nblaunch.engine.checks import CallReader, CollectiveChecks, compare
 from nblaunch.engine.plan import plan_launch
 from nblaunch.engine.verdict import Cause
 from nblaunch.options import LaunchOptions
@@ -337,3 +340,37 @@ def test_an_all_gathers_outputs_wait_for_every_rank():
     assert complete is not None and "shape mismatches" in complete
     other = compare({0: gathered, 1: record(1, "torch.distributed.barrier")}, False)
     assert other is not None and "different collectives" in other
+
+
+def test_the_reader_takes_whole_records_and_drops_a_connection_that_sends_garbage():
+    reader = CallReader()
+    rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        rank.connect("\0" + reader.address)
+        first, second = (pickle.dumps({"n": n}) for n in (1, 2))
+        message = struct.pack("<I", len(second)) + second
+        rank.sendall(struct.pack("<I", len(first)) + first + message[:5])
+        got: list = []
+        assert wait_until(lambda: got.extend(reader.read()) or got, timeout=5)
+        assert got == [{"n": 1}]  # the second is not whole yet
+        rank.sendall(message[5:])
+        got.clear()
+        assert wait_until(lambda: got.extend(reader.read()) or got, timeout=5)
+        assert got == [{"n": 2}]
+
+        def hung_up(conn: socket.socket) -> bool:
+            reader.read()
+            try:
+                return conn.recv(1, socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                return False
+
+        stranger.connect("\0" + reader.address)
+        stranger.sendall(struct.pack("<I", 3) + b"bad")
+        assert wait_until(lambda: hung_up(stranger), timeout=5)
+        assert len(reader.connections) == 1  # the rank's
+    finally:
+        rank.close()
+        stranger.close()
+        reader.close()

@@ -72,15 +72,21 @@ class CallReader:
             if not data:  # the task ended on that rank
                 self._drop(conn)
                 continue
-            data = self.connections[conn] + data
+            buffer = self.connections[conn] + data
             start = 0
-            while len(data) - start >= 4:
-                (size,) = struct.unpack_from("<I", data, start)
-                if len(data) - start - 4 < size:
+            while len(buffer) - start >= 4:
+                (size,) = struct.unpack_from("<I", buffer, start)
+                end = start + 4 + size
+                if end > len(buffer):
+                    break  # the rest comes with the next read
+                try:
+                    calls.append(pickle.loads(buffer[start + 4 : end]))
+                except Exception:  # not a rank's record: stop listening to that connection
+                    self._drop(conn)
                     break
-                calls.append(pickle.loads(data[start + 4 : start + 4 + size]))
-                start += 4 + size
-            self.connections[conn] = data[start:]
+                start = end
+            if conn in self.connections:
+                self.connections[conn] = buffer[start:]
         return calls
 
     def _accept(self) -> None:

@@ -28,6 +28,7 @@ import itertools
 import pickle
 import socket
 import struct
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,7 @@ class Outbox:
         self.task = task
         self.counters: dict[str, Iterator[int]] = {}  # group name -> its next numbers
         self.sizes: dict[str, int] = {}  # group name -> its ranks
+        self._lock = threading.Lock()
         self.sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
@@ -68,19 +70,22 @@ class Outbox:
 
     def add(self, group: str, size: int, record: dict[str, Any]) -> None:
         """Number one call on ``group`` (``size`` ranks) and send it; never waits."""
-        counter = self.counters.get(group)
-        if counter is None:
-            counter = self.counters[group] = itertools.count(1)
-        n = next(counter)
-        if self.sock is None:
-            return
-        call = {"rank": self.rank, "task": self.task, "group": group, "n": n, "size": size}
+        call = {"rank": self.rank, "task": self.task, "group": group, "size": size}
         call["record"] = record
-        data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            self.sock.sendall(struct.pack("<I", len(data)) + data)
-        except OSError:  # the launcher hung up
-            self.close()
+        # One call at a time: threads issuing collectives (an autograd thread's DDP hook) must
+        # not interleave their bytes, and the numbers must go out in order.
+        with self._lock:
+            counter = self.counters.get(group)
+            if counter is None:
+                counter = self.counters[group] = itertools.count(1)
+            call["n"] = next(counter)
+            if self.sock is None:
+                return
+            data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                self.sock.sendall(struct.pack("<I", len(data)) + data)
+            except OSError:  # the launcher hung up
+                self.close()
 
     def close(self) -> None:
         if self.sock is not None:
