@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nblaunch import DistributedOperationException, notebook_launcher
+from nblaunch import DistributedOperationException, notebook_launcher, start_pool
 from nblaunch.engine.checks import CallReader, CollectiveChecks, compare
 from nblaunch.engine.plan import plan_launch
 from nblaunch.engine.verdict import Cause
@@ -162,6 +162,28 @@ def test_a_collective_one_rank_adds_in_a_trainer_callback_is_named():
     line = line_of(trainer_callback_mismatch, "dist.all_reduce(torch.ones(1))")
     assert f"rank 0 called all_reduce at test_checks.py:{line} while rank 1 " in message, message
     assert elapsed < 60, elapsed  # most of it is importing transformers and building the model
+
+
+def test_a_pools_every_task_is_checked_and_the_pool_goes_on():
+    # A pool's tasks get fresh monitors; its ranks keep the address they were set up with.
+    with start_pool(2, device_type="cpu", display="none") as pool:
+        assert pool.run(count_mismatch_free) == [3.0, 3.0]
+        started = time.monotonic()
+        with pytest.raises(DistributedOperationException, match="rank 1 called broadcast"):
+            pool.run(operation_mismatch)
+        assert time.monotonic() - started < 10
+        assert pool.run(count_mismatch_free) == [3.0, 3.0]
+
+
+def count_mismatch_free():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    for _ in range(3):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.barrier()
+    return t.item() * 3
 
 
 @pytest.mark.parametrize("how", ["debug=False", "NBLAUNCH_CHECKS=0"])

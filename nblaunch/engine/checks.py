@@ -20,6 +20,7 @@ import pickle
 import socket
 import struct
 import uuid
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from nblaunch.engine.monitor import RunContext
@@ -114,6 +115,23 @@ class CallReader:
             self.listener.close()
 
 
+# The readers alive, by address: a pool's next task has new monitors but the same ranks, which
+# know the address they were set up with.
+_readers: weakref.WeakValueDictionary[str, CallReader] = weakref.WeakValueDictionary()
+
+
+def reader_for(plan: LaunchPlan) -> CallReader:
+    """The reader whose address the plan's ranks were given, or a new one (its address then goes
+    into the plan's options, which the ranks' set-up carries)."""
+    address = plan.options.get("checks_address")
+    reader = _readers.get(address) if address else None
+    if reader is None:
+        reader = CallReader()
+        _readers[reader.address] = reader
+        plan.options["checks_address"] = reader.address
+    return reader
+
+
 def compare(records: dict[int, dict[str, Any]], complete: bool) -> str | None:
     """Debug mode's report for the records of one collective (by rank), or ``None`` if they agree.
 
@@ -134,16 +152,13 @@ class CollectiveChecks:
     Parameters
     ----------
     plan
-        The launch plan (its world size names the ranks in the report). With the checks on,
-        the reader's address goes into its options, so the ranks' set-up carries it.
+        The launch plan: its world size names the ranks in the report; with the checks on,
+        its options carry the reader's address (:func:`reader_for`).
     """
 
     def __init__(self, plan: LaunchPlan) -> None:
         self.world_size = plan.world_size
-        self.reader: CallReader | None = None
-        if plan.checks:
-            self.reader = CallReader()
-            plan.options["checks_address"] = self.reader.address
+        self.reader = reader_for(plan) if plan.checks else None
         self.open: dict[tuple[int, str, int], dict[int, dict[str, Any]]] = {}
         self.compared = 0  # collectives every rank of the group reported, found consistent
         self.found: RootCause | None = None
@@ -188,8 +203,6 @@ class CollectiveChecks:
             return None
         self.reported = True  # once: the run ends with it
         self.open.clear()
-        if self.reader is not None:
-            self.reader.close()
         return self.found
 
     def _root(
