@@ -102,7 +102,7 @@ class Collectives(TypedDict):
     """Collectives ranks issued (the out-of-band checks), as a joined node passes them on.
 
     In a rank each call goes to its launcher down a socket of its own
-    (``nblaunch.ranks.fingerprints``), one JSON line per call, not through the event pipe.
+    (``nblaunch.ranks.fingerprints``), one pickled message per call, not through the event pipe.
     """
 
     kind: Literal["collectives"]
