@@ -1,13 +1,15 @@
-"""Cost of debug mode on a training step: nblaunch's verification against Accelerate's.
+"""Cost of checking collectives on a training step: nblaunch's checks against Accelerate's.
 
 Run: ``.venv/bin/python benchmarks/bench_debug.py``. Prints one markdown table.
 
 The step: a small MLP wrapped in DistributedDataParallel, synthetic data, SGD, 2 CPU ranks with
 gloo, plus the two collectives a training loop typically makes itself (gather the loss for
-logging, sum the number of correct predictions). DDP's own gradient all-reduce runs in C++ and
-is not verified by either library; the two explicit collectives are.
+logging, sum the number of correct predictions). Accelerate checks the two explicit
+collectives; nblaunch checks those and DDP's gradient all-reduce (a comm hook).
 
-- nblaunch: ``nblaunch.gather`` and ``nblaunch.all_reduce``, ``debug=False`` / ``debug=True``.
+- nblaunch: ``nblaunch.gather`` and ``nblaunch.all_reduce``, with ``debug=False`` (no checks),
+  the default (out-of-band checks: each rank sends its calls to the launcher, which compares
+  them) and ``debug=True`` (one extra all_gather before each call).
 - Accelerate 1.x: ``Accelerator().prepare(...)``, ``accelerator.gather`` and
   ``accelerator.reduce``, with and without ``ACCELERATE_DEBUG_MODE=1`` (its ``verify_operation``
   gathers every rank's shapes with ``gather_object`` before each call).
@@ -20,20 +22,22 @@ shows the median over rounds.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import sys
 
 import nblaunch
 
-ROUNDS = 3
+ROUNDS = 5
 WARMUP = 20
 STEPS = 200
 BATCH = 64
 WIDTH = 256
 
 
-def train_step_timing(library: str, steps: int, warmup: int) -> float:
-    """Mean seconds per step on this rank (runs inside a rank)."""
+def train_step_timing(library: str, steps: int, warmup: int) -> tuple[float, float]:
+    """Mean seconds per step on this rank, wall-clock and CPU (every thread of the rank's
+    process: gloo's too). Runs inside a rank."""
     import os
     import time
 
@@ -80,30 +84,42 @@ def train_step_timing(library: str, steps: int, warmup: int) -> float:
     for _ in range(warmup):
         step()
     nblaunch.wait_for_everyone()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - started) / steps
+    return (time.perf_counter() - started) / steps, (time.process_time() - cpu) / steps
 
 
-def run(library: str, debug: bool) -> float:
-    """Seconds per step of the slowest rank for one configuration."""
+# What each mode passes as notebook_launcher(debug=...).
+MODES = {"off": False, "default": None, "debug": True}
 
-    def body() -> float:
+
+def run(library: str, mode: str) -> tuple[float, float, float]:
+    """Seconds per step of the slowest rank, the ranks' CPU seconds per step (summed) and the
+    launcher's CPU seconds for the whole launch, for one configuration.
+
+    ``mode``: ``"off"`` (no checks), ``"default"`` (nblaunch's out-of-band checks; Accelerate
+    has none), ``"debug"`` (the check before each call).
+    """
+
+    def body() -> tuple[float, float]:
         import os
 
-        if library == "accelerate" and debug:
+        if library == "accelerate" and mode == "debug":
             os.environ["ACCELERATE_DEBUG_MODE"] = "1"
         return train_step_timing(library, STEPS, WARMUP)
 
+    before = resource.getrusage(resource.RUSAGE_SELF)
     per_rank = nblaunch.notebook_launcher(
         body,
         num_processes=2,
         device_type="cpu",
-        debug=debug and library == "nblaunch",
+        debug=MODES[mode] if library == "nblaunch" else False,
         display="none",
     )
-    return max(per_rank)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    launcher_cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return max(w for w, _ in per_rank), sum(c for _, c in per_rank), launcher_cpu
 
 
 def main() -> None:
@@ -111,32 +127,44 @@ def main() -> None:
     import torch
 
     configs = [
-        ("nblaunch", False, "nblaunch, debug off"),
-        ("nblaunch", True, "nblaunch, debug=True"),
-        ("accelerate", False, f"Accelerate {accelerate.__version__}, debug off"),
-        ("accelerate", True, f"Accelerate {accelerate.__version__}, ACCELERATE_DEBUG_MODE=1"),
+        ("nblaunch", "off", "nblaunch, debug=False (no checks)"),
+        ("nblaunch", "default", "nblaunch, default (out-of-band checks)"),
+        ("nblaunch", "debug", "nblaunch, debug=True"),
+        ("accelerate", "off", f"Accelerate {accelerate.__version__}, debug off"),
+        ("accelerate", "debug", f"Accelerate {accelerate.__version__}, ACCELERATE_DEBUG_MODE=1"),
     ]
-    run("nblaunch", False)  # start the forkserver outside the measurements
-    times: dict[tuple[str, bool], list[float]] = {(lib, dbg): [] for lib, dbg, _ in configs}
+    run("nblaunch", "off")  # start the forkserver outside the measurements
+    results: dict[tuple[str, str], list[tuple[float, float, float]]] = {
+        (lib, mode): [] for lib, mode, _ in configs
+    }
     for _ in range(ROUNDS):
-        for library, debug, _ in configs:
-            times[(library, debug)].append(run(library, debug))
-    median = {key: statistics.median(values) for key, values in times.items()}
+        for library, mode, _ in configs:
+            results[(library, mode)].append(run(library, mode))
 
     print(
-        f"Debug-mode cost on a DDP training step: MLP {WIDTH}-{WIDTH}-{WIDTH}-10, batch {BATCH}, "
-        f"2 CPU ranks, gloo, torch {torch.__version__}; each step also gathers the loss and "
-        f"sums the correct predictions (2 verified collectives). Median of {ROUNDS} rounds of "
-        f"{STEPS} steps, slowest rank.\n"
+        f"Cost of checking collectives on a DDP training step: MLP {WIDTH}-{WIDTH}-{WIDTH}-10, "
+        f"batch {BATCH}, 2 CPU ranks, gloo, torch {torch.__version__}; each step also gathers "
+        "the loss and sums the correct predictions (2 checked collectives, 3 with DDP's). "
+        f"Median of {ROUNDS} rounds of {STEPS} steps; rounds interleave the configurations. "
+        "Wall: the slowest rank's step; the ratio is each round's against the same round's "
+        "checks off (a busy moment of the machine hits both). CPU: both ranks' processes, per "
+        "step, and the launcher's over the whole launch per step, which a busy machine "
+        "does not inflate.\n"
     )
-    print("| configuration | ms / step | vs. its debug off | extra ms per verified call |")
-    print("|---|---:|---:|---:|")
-    for library, debug, label in configs:
-        ms = median[(library, debug)] * 1e3
-        base = median[(library, False)] * 1e3
-        ratio = f"{ms / base:.2f}x"
-        extra = f"{(ms - base) / 2:.3f}" if debug else "-"
-        print(f"| {label} | {ms:.3f} | {ratio} | {extra} |")
+    print(
+        "| configuration | wall ms / step | vs. checks off, same round | ranks' CPU ms / step "
+        "| launcher CPU ms / step |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    per_launch = STEPS + WARMUP
+    for library, mode, label in configs:
+        rows = results[(library, mode)]
+        wall = statistics.median(w for w, _, _ in rows) * 1e3
+        off = results[(library, "off")]
+        ratio = statistics.median(r[0] / o[0] for r, o in zip(rows, off, strict=True))
+        cpu = statistics.median(c for _, c, _ in rows) * 1e3
+        launcher = statistics.median(lc for _, _, lc in rows) / per_launch * 1e3
+        print(f"| {label} | {wall:.3f} | {ratio:.3f}x | {cpu:.3f} | {launcher:.3f} |")
     sys.stdout.flush()
 
 

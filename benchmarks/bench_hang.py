@@ -127,6 +127,7 @@ def nblaunch_count_mismatch(workdir: Path, hang_timeout: float) -> tuple[float, 
             num_processes=2,
             display="none",
             hang_timeout=hang_timeout,
+            debug=False,  # the hang watchdog's time; the default checks name it at the call
         )
     except DistributedHangError as exc:
         caught = time.time()

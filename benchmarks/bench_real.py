@@ -150,6 +150,9 @@ def nblaunch_blamed(exc: BaseException) -> list[int]:
         match = re.search(r"raised on every rank \((\d+) of", note)
         if match:  # debug mode's verdict, reached together: the report names every rank's call
             return list(range(int(match.group(1))))
+    match = re.search(r"comparing the calls of ranks ([\d, ]+) at collective", str(exc))
+    if match:  # the out-of-band checks: the ranks whose calls disagree
+        return [int(rank) for rank in match.group(1).split(", ")]
     return subject_ranks(str(exc).splitlines()[0] if str(exc) else "")
 
 

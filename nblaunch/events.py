@@ -6,7 +6,8 @@ place. Ranks send ``Started``, ``Log``, ``Progress``, ``Heartbeat``, ``Metrics``
 the parent's relay turns the ranks' raw stdout/stderr bytes into ``Stream`` records and adds
 ``RunInfo``, ``StateChange``, ``Diagnosis`` and ``RunEnded``. A view only renders records; it
 never infers a state on its own. Down each rank's pipe go ``Setup``, ``Task``, ``Stop`` and
-``DebugInput``; a joined node adds ``Death`` and ``NodeNews`` to what it sends the notebook.
+``DebugInput``; a joined node adds ``Death``, ``NodeNews`` and ``Collectives`` to what it sends
+the notebook.
 
 Every record is a plain ``dict`` (a ``TypedDict``) with a ``kind`` key, so it pickles cheaply and
 prints readably.
@@ -97,6 +98,30 @@ class InFlightInfo(TypedDict):
     shapes: list[list[int]]  # input tensor shapes, when the flight recorder is on
 
 
+class Collectives(TypedDict):
+    """Collectives ranks issued (the out-of-band checks), as a joined node passes them on.
+
+    In a rank each call goes to its launcher down a socket of its own
+    (``nblaunch.ranks.fingerprints``), one pickled message per call, not through the event pipe.
+    """
+
+    kind: Literal["collectives"]
+    calls: list[CollectiveCall]
+
+
+class CollectiveCall(TypedDict):
+    """One collective call: who issued it, its process group, its number there, and debug
+    mode's record of it (operation, call site, shapes, dtypes, arguments: what
+    ``nblaunch.ranks.debug_report`` compares)."""
+
+    rank: int
+    task: int  # the task it belongs to (a pool runs many)
+    group: str  # process group name; "0" is the default group
+    n: int  # the checked collectives of ``group`` in the task, counted from 1
+    size: int  # ranks in the group
+    record: dict[str, Any]
+
+
 class Failure(TypedDict):
     """A Python exception that ended a task on a rank."""
 
@@ -175,10 +200,18 @@ class RunInfo(TypedDict):
     device_kind: str  # "cpu", "NVIDIA H200", ...
     start_method: str
     debug: bool
+    checks: bool  # the out-of-band collective checks (off under debug mode, which checks first)
     run_dir: str
     warnings: list[str]
     notes: list[str]  # what nblaunch did that is worth knowing but is no problem
     started_at: float
+
+
+def checking_mode(info: RunInfo | dict[str, Any]) -> str:
+    """How a run checks its collectives, as the views' headers say it."""
+    if info.get("debug"):
+        return "debug on"
+    return "checks on" if info.get("checks") else "checks off"
 
 
 class StateChange(TypedDict):
@@ -309,6 +342,7 @@ Event = (
     | Metrics
     | Progress
     | Heartbeat
+    | Collectives
     | Failure
     | Result
     | Finished

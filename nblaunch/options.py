@@ -163,6 +163,11 @@ def debug_from_env() -> bool:
     return env_flag("NBLAUNCH_DEBUG", "ACCELERATE_DEBUG_MODE")
 
 
+def checks_from_env() -> bool:
+    """The out-of-band collective checks: on unless ``NBLAUNCH_CHECKS`` is 0/false/no/off."""
+    return not env_off("NBLAUNCH_CHECKS")
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchOptions:
     """How ranks are started and watched, whatever front end asked (see
@@ -175,7 +180,9 @@ class LaunchOptions:
     """
 
     start_method: str = "forkserver"
-    debug: bool | None = None  # None: NBLAUNCH_DEBUG (or ACCELERATE_DEBUG_MODE) decides
+    # None: NBLAUNCH_DEBUG (or ACCELERATE_DEBUG_MODE) decides, and the out-of-band checks
+    # are on (NBLAUNCH_CHECKS=0 turns them off); False turns both off.
+    debug: bool | None = None
     log_level: str | None = None
     hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S
     timeout: float | None = None

@@ -159,7 +159,7 @@ def scenarios():
         sys.path.remove(str(BENCHMARKS))
 
 
-@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+@pytest.mark.parametrize("debug", [False, None, True], ids=["off", "checks", "debug"])
 @pytest.mark.parametrize("name", [*EXPECTED, "mismatched_collectives"])
 def test_each_real_training_failure_names_the_right_rank_in_seconds(scenarios, name, debug):
     real_scenarios, blamed = scenarios
@@ -171,7 +171,7 @@ def test_each_real_training_failure_names_the_right_rank_in_seconds(scenarios, n
         launch(scenario.function, debug=debug)  # the default hang_timeout: 300 s
     elapsed = time.monotonic() - started
     first_line = str(info.value).splitlines()[0]
-    if name == "mismatched_collectives" and not debug:
+    if name == "mismatched_collectives" and debug is False:
         # gloo aborts the process on the size mismatch: the best a run without checks can do is
         # say so and point at debug mode.
         assert isinstance(info.value, RankFailedError), info.value
@@ -223,10 +223,12 @@ def ddp_gradients(comm_hook: str | None = None):
 
 
 @pytest.mark.parametrize("comm_hook", [None, "user", "builtin"])
-def test_debug_mode_leaves_ddp_gradients_and_a_users_comm_hook_as_they_were(comm_hook):
-    plain = launch(ddp_gradients, (comm_hook,))
+def test_checks_leave_ddp_gradients_and_a_users_comm_hook_as_they_were(comm_hook):
+    plain = launch(ddp_gradients, (comm_hook,), debug=False)  # DDP's own C++ all-reduce
+    default = launch(ddp_gradients, (comm_hook,))  # the out-of-band checks' hook
     checked = launch(ddp_gradients, (comm_hook,), debug=True)
-    assert checked == plain  # bit for bit
+    assert default == plain  # bit for bit
+    assert checked == plain
     assert checked[0] == checked[1]
     if comm_hook == "user":
         assert [calls for _, calls in checked] == [3, 3]  # the user's hook still ran each step

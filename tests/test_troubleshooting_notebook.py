@@ -59,7 +59,7 @@ def test_only_the_cells_meant_to_fail_fail(executed):
         for o in c.get("outputs", [])
         if o.output_type == "error"
     ]
-    assert failed == [(["raises-exception"], "DistributedOperationException")] * 2
+    assert failed == [(["raises-exception"], "DistributedOperationException")] * 3
 
 
 @pytest.mark.slow
@@ -80,9 +80,22 @@ def test_in_order_logging_shows_each_step_in_rank_order_without_hanging(executed
 
 
 @pytest.mark.slow
-def test_without_debug_the_mismatch_goes_unnoticed(executed):
-    cell = _cell(executed, "notebook_launcher(mismatched_broadcast, num_processes=2)")
+def test_with_the_checks_off_the_mismatch_goes_unnoticed(executed):
+    cell = _cell(executed, "notebook_launcher(mismatched_broadcast, num_processes=2, debug=False)")
     assert "[0.0, 0.0, 0.0, 0.0, 0.0]" in _result(cell)  # rank 1's tensor, half filled
+
+
+@pytest.mark.slow
+def test_by_default_the_checks_report_the_shapes_and_the_cell_lines(executed):
+    cell = _cell(executed, "notebook_launcher(mismatched_broadcast, num_processes=2)")
+    error = next(o for o in cell.outputs if o.output_type == "error")
+    assert error.evalue.startswith(
+        "Cannot apply desired operation due to shape mismatches. All shapes across devices "
+        "must be valid.\n\nOperation: `nblaunch.ranks.ops.broadcast`\nInput shapes:\n"
+        "  - Process 0: [1, 5]\n  - Process 1: [1, 2, 5]\n"
+    )
+    assert "  - Process 1: cell line 7" in error.evalue
+    assert "comparing the calls of ranks 0, 1 at collective #1" in error.evalue
 
 
 @pytest.mark.slow

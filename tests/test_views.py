@@ -174,7 +174,7 @@ def test_the_header_shows_the_clock_while_running_and_the_outcome_after():
     model = fed(run_info())
     head = render.head_html(model, elapsed_s=12.4)
     assert head.startswith(
-        "<div class='nbl-head'>nblaunch · <b>2 ranks</b> · CPU · forkserver · debug off · 12 s"
+        "<div class='nbl-head'>nblaunch · <b>2 ranks</b> · CPU · forkserver · checks off · 12 s"
     )
     assert "logs: /tmp/runs/r1" in head and "ranks pinned to cores" in head
     model.handle(ended(False, {}, elapsed_s=3.25))

@@ -508,7 +508,7 @@ def test_text_view_prints_rank_prefixed_lines():
         }
     )
     v.close()
-    assert "nblaunch: 2 rank(s) on CPU (forkserver, debug)" in out.getvalue()
+    assert "nblaunch: 2 rank(s) on CPU (forkserver, debug on)" in out.getvalue()
     assert "[rank 1] hello\n" in out.getvalue() and "[rank 0] INFO step 3\n" in err.getvalue()
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from nblaunch.engine.batch_size import BatchSizeMonitor
+from nblaunch.engine.checks import CollectiveChecks
 from nblaunch.engine.debug_prompts import DebugPrompts
 from nblaunch.engine.hang import HangMonitor
 from nblaunch.engine.monitor import Monitor
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 # Each makes the monitor for one run from its plan.
 MONITORS: tuple[Callable[[LaunchPlan], Monitor], ...] = (
     HangMonitor,
+    CollectiveChecks,
     BatchSizeMonitor,
     DebugPrompts,
 )

@@ -27,6 +27,7 @@ from nblaunch.options import (
     FALSE_VALUES,
     LaunchOptions,
     check_environment,
+    checks_from_env,
     debug_from_env,
     env_whole,
     log_level_from_env,
@@ -66,6 +67,10 @@ class LaunchPlan:
     restart_count: int = 0
     # How long the engine waits for the ranks before it looks at quiet ones again.
     monitor_interval: float = DEFAULT_MONITOR_INTERVAL_S
+    # Every rank sends a fingerprint of each collective and the launcher compares them
+    # (nblaunch.ranks.fingerprints, nblaunch.engine.checks); off under debug mode, which checks
+    # before each call instead.
+    checks: bool = False
     # The run's hold on run_dir while it lives, so that no pruning deletes it (run_dirs).
     run_lease: RunLease | None = field(default=None, repr=False, compare=False)
 
@@ -125,6 +130,7 @@ class LaunchPlan:
             "device_kind": self.device_kind,
             "start_method": self.start_method,
             "debug": self.debug,
+            "checks": self.checks,
             "run_dir": str(self.run_dir) if self.run_dir else "",
             "warnings": self.warnings if warnings is None else warnings,
             "notes": self.notes if notes is None else notes,
@@ -149,6 +155,7 @@ class LaunchPlan:
             "options": {
                 "log_level": self.log_level,
                 "hang_timeout": self.hang_timeout,
+                "checks": self.checks,
                 **self.options,
             },
         }
@@ -208,6 +215,7 @@ def plan_launch(
     port = choose_port(options.master_addr, options.master_port)
     backend = {"cuda": "nccl", "cpu": "gloo", "xla": "xla"}[device_type]
     run_dir, run_lease = new_run_dir(options.run_dir)
+    debug = debug_from_env() if options.debug is None else bool(options.debug)
     return LaunchPlan(
         world_size=num_processes,
         device_type=device_type,
@@ -215,7 +223,8 @@ def plan_launch(
         start_method=options.start_method,
         master_addr=options.master_addr,
         master_port=port,
-        debug=debug_from_env() if options.debug is None else bool(options.debug),
+        debug=debug,
+        checks=not debug and options.debug is None and checks_from_env(),
         init_process_group=bool(options.setup_process_group),
         timeout=options.timeout,
         hang_timeout=options.hang_timeout,

@@ -243,13 +243,15 @@ class Run:
         deadline = None if self.plan.timeout is None else self.now() + self.plan.timeout
         while True:
             self.pump(self.plan.monitor_interval)  # output and events wake it at once
-            if self._all_returned():
-                return
+            # Monitors first: what the ranks sent before their values may show that the run
+            # went wrong although every rank returned (collectives that disagreed).
             for monitor in self.monitors if self.pauses.judging() else []:
                 root = monitor.check(self)
                 if root is not None:
                     outcome.root = root
                     return
+            if self._all_returned():
+                return
             root = verdict.settle(outcome, self.task_ranks, self.now())
             if root is not None:
                 outcome.root = root

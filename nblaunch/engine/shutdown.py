@@ -60,7 +60,12 @@ def finish(run: Run) -> None:
                 ):
                     run.set_state(rank, RunState.STOPPED, reason)
         root = run.outcome.root
-        if root is not None and root.cause in (Cause.FAILURE, Cause.DEATH, Cause.HANG):
+        if root is not None and root.cause in (
+            Cause.FAILURE,
+            Cause.DEATH,
+            Cause.HANG,
+            Cause.MISMATCH,
+        ):
             # The cause is known and the others are most likely blocked in a collective
             # they cannot finish: they get half a second, and being killed is no news.
             backend.stop(grace=KNOWN_CAUSE_GRACE_S, quiet=True)

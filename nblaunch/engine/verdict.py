@@ -37,6 +37,7 @@ class Cause(str, enum.Enum):
     RESTART = "restart"  # every rank must start again (a peer's out-of-memory left them blocked)
     BATCH_SIZE = "batch_size"  # the batch-size search cannot go on (out of memory at every size)
     NODE = "node"  # another machine of a multi-node run was lost
+    MISMATCH = "mismatch"  # ranks called different collectives (the out-of-band checks)
 
 
 @dataclass
@@ -361,6 +362,8 @@ def stop_reason(root: RootCause | None, timeout: float | None) -> str:
         return "stopped: the ranks could not make progress (see the error)"
     if root.cause is Cause.TIMEOUT:
         return f"stopped: timeout={timeout:g} s ran out"
+    if root.cause is Cause.MISMATCH:
+        return "stopped: the ranks called mismatched collectives (see the error)"
     return f"stopped after rank {root.rank} failed"
 
 

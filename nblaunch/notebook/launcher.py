@@ -88,7 +88,10 @@ def notebook_launcher(
     start_method
         ``"forkserver"`` (default, fast after the first launch), ``"spawn"`` or ``"fork"``.
     debug
-        Check every collective for mismatched shapes (default: ``NBLAUNCH_DEBUG``).
+        ``None`` (default): every rank sends a record of each collective to the launcher,
+        which compares them and raises ``DistributedOperationException`` when ranks disagree
+        (``NBLAUNCH_CHECKS=0`` turns this off; ``NBLAUNCH_DEBUG=1`` means ``True``). ``True``:
+        debug mode, every collective is checked before it runs. ``False``: no checks.
     log_level
         Level of ``nblaunch.get_logger`` loggers in the ranks (default: ``NBLAUNCH_LOG_LEVEL``).
     hang_timeout

@@ -7,6 +7,10 @@ as ``src``) to a single fixed-size ``all_gather``, and when the records disagree
 the same :class:`~nblaunch.errors.DistributedOperationException`, instead of hanging or silently
 corrupting tensors.
 
+Without debug mode the same records are checked out of band (on by default): :func:`verify`
+sends this rank's record to the launcher (:mod:`nblaunch.ranks.fingerprints`) and returns at
+once; the launcher compares the ranks' records and raises the same exception.
+
 This module owns that check (:func:`verify`) and the helpers every collective of nblaunch shares
 (torch's own functions, never debug mode's wrappers). The report's wording is in
 :mod:`nblaunch.ranks.debug_report`; torch.distributed and DDP, patched inside ranks while debug
@@ -27,7 +31,7 @@ from typing import Any
 
 from nblaunch.errors import DistributedOperationException
 from nblaunch.options import debug_from_env
-from nblaunch.ranks import worker
+from nblaunch.ranks import fingerprints, worker
 from nblaunch.ranks.debug_report import digest, mismatch_message
 
 # Bytes each rank contributes to the verification all_gather; a record is ~200 bytes, and one
@@ -40,6 +44,7 @@ _CELL_FILE = re.compile(r"(ipykernel_\d+[/\\]\d+\.py$)|(^<ipython-input-\d+-)")
 # nblaunch's own frames, in any of its packages.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+_skipped_dirs: tuple[str, ...] | None = None  # the above and torch's, once torch is imported
 
 # Set while a verified call runs: collectives that torch calls internally (all_gather_object
 # calls all_gather) and the verification's own all_gather must not be verified again.
@@ -52,6 +57,11 @@ def debug_enabled() -> bool:
     if context is not None:
         return context.debug
     return debug_from_env()
+
+
+def checks_enabled() -> bool:
+    """True when collectives are checked: by debug mode, or out of band (the default)."""
+    return debug_enabled() or fingerprints.checks_on()
 
 
 def in_group(group: Any = None) -> bool:
@@ -103,13 +113,16 @@ def call_site() -> str:
     Frames of nblaunch, torch and the standard library are skipped, so a collective that a library
     calls is reported at the library's line.
     """
-    import torch
+    global _skipped_dirs
+    if _skipped_dirs is None:
+        import torch
 
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+        torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+        _skipped_dirs = (_PACKAGE_DIR, torch_dir, _STDLIB_DIR)
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith((_PACKAGE_DIR, torch_dir, _STDLIB_DIR)):
+        if not filename.startswith(_skipped_dirs):
             if _CELL_FILE.search(filename):
                 return f"cell line {frame.f_lineno}"
             return f"{os.path.basename(filename)}:{frame.f_lineno}"
@@ -130,8 +143,10 @@ def verify(
 ) -> None:
     """Check that every rank of ``group`` makes the same collective call; raise if not.
 
-    One fixed-size ``all_gather`` of a small record per rank. Every rank receives every record
-    and reaches the same verdict, so either all ranks go on or all raise.
+    In debug mode, one fixed-size ``all_gather`` of a small record per rank: every rank
+    receives every record and reaches the same verdict, so either all ranks go on or all raise.
+    Otherwise the record goes to the launcher, which compares the ranks' records out of band
+    (:mod:`nblaunch.ranks.fingerprints`), and this returns at once.
 
     Parameters
     ----------
@@ -156,13 +171,16 @@ def verify(
     Raises
     ------
     DistributedOperationException
-        On every rank, when the records disagree.
+        In debug mode, on every rank, when the records disagree.
     """
     import torch.distributed as dist
 
     if not in_group(group) or dist.get_world_size(group) < 2:
         return
     record = _record(operation, list(inputs), rule, dim, args or {}, problem, outputs)
+    if not debug_enabled():
+        fingerprints.send(record, group)
+        return
     with verified_region():
         records = _exchange(record, group)
     message = mismatch_message(records)

@@ -1,10 +1,12 @@
-"""torch.distributed and DDP's gradient all-reduce, verified inside ranks while debug mode is on.
+"""torch.distributed and DDP's gradient all-reduce, verified inside ranks while checks are on.
 
 nblaunch's own collectives (:mod:`nblaunch.ranks.ops`) verify themselves. So that collectives
 called by user code and libraries are verified too, torch.distributed's own collectives
 (``dist.all_reduce``, ``dist.broadcast``, ...) are patched for the duration of each task while
-debug mode is on, and every DDP model made in the task gets a comm hook that verifies its
-gradient all-reduce; the patches are removed when the task ends (a task hook does both).
+debug mode or the out-of-band checks (the default) are on, and every DDP model made in the task
+gets a comm hook that verifies its gradient all-reduce; the patches are removed when the task
+ends (a task hook does both). :func:`nblaunch.ranks.debug_mode.verify` decides how: before the
+call (debug mode) or by sending its record to the launcher (the checks).
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ def _verify_ddp_models() -> Callable[[], None]:
 
 
 def _task_hook(context: worker.RankContext) -> contextlib.AbstractContextManager[Any]:
-    if context.debug:
+    if context.debug or context.options.get("checks"):
         return verified_collectives()
     return contextlib.nullcontext()
 

@@ -10,7 +10,6 @@ imports nothing of the project: records in, text out.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +18,12 @@ DDP_ALL_REDUCE = "DDP's backward all-reduce"
 
 
 def digest(value: Any) -> str:
-    """A short digest of a JSON-safe value: records compare these, not the full lists."""
-    return hashlib.sha1(json.dumps(value).encode()).hexdigest()[:16]
+    """A short digest of a JSON-safe value: records compare these, not the full lists.
+
+    Of its ``repr`` (the same in every process for lists of numbers and strings): a quarter
+    of the cost of hashing its JSON, and every collective pays it.
+    """
+    return hashlib.blake2b(repr(value).encode(), digest_size=8).hexdigest()
 
 
 def mismatch_message(records: list[dict[str, Any]]) -> str | None:

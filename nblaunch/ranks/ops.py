@@ -17,7 +17,7 @@ from typing import Any
 
 from nblaunch.ranks.debug_mode import (
     all_gather_flat,
-    debug_enabled,
+    checks_enabled,
     in_group,
     unpatched,
     verified_region,
@@ -83,7 +83,7 @@ def gather(tensor: Any) -> Any:
 
     if _world() < 2:
         return tensor
-    if debug_enabled():
+    if checks_enabled():
         verify("nblaunch.ranks.ops.gather", inputs=_tensors(tensor))
     world = _world()
     gather_flat = all_gather_flat()
@@ -110,7 +110,7 @@ def gather_object(obj: Any) -> list[Any]:
 
     if _world() < 2:
         return list(obj) if isinstance(obj, (list, tuple)) else [obj]
-    if debug_enabled():
+    if checks_enabled():
         verify("nblaunch.ranks.ops.gather_object", rule="none")
     gathered: list[Any] = [None] * dist.get_world_size()
     with verified_region():
@@ -137,7 +137,7 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """
     if _world() < 2:
         return tensor
-    if debug_enabled():
+    if checks_enabled():
         verify(
             "nblaunch.ranks.ops.broadcast",
             inputs=_tensors(tensor),
@@ -155,7 +155,7 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     """
     if _world() < 2:
         return object_list
-    if debug_enabled():
+    if checks_enabled():
         verify(
             "nblaunch.ranks.ops.broadcast_object_list",
             rule="none",
@@ -201,7 +201,7 @@ def all_reduce(tensor: Any, op: str = "sum") -> Any:
     reduce_op = _reduce_op(op)
     if _world() < 2:
         return tensor
-    if debug_enabled():
+    if checks_enabled():
         verify("nblaunch.ranks.ops.all_reduce", inputs=_tensors(tensor), args={"op": op})
     world = _world()
     send = unpatched("all_reduce")
@@ -233,7 +233,7 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """
     reduce_op = _reduce_op(reduction)
     world = _world()
-    if world >= 2 and debug_enabled():
+    if world >= 2 and checks_enabled():
         verify("nblaunch.ranks.ops.reduce", inputs=_tensors(tensor), args={"reduction": reduction})
     send = unpatched("all_reduce") if world >= 2 else None
 
@@ -271,7 +271,7 @@ def pad_across_processes(
 
     if _world() < 2:
         return tensor
-    if debug_enabled():
+    if checks_enabled():
         verify(
             "nblaunch.ranks.ops.pad_across_processes",
             inputs=_tensors(tensor),

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 
 from nblaunch.ranks import worker
-from nblaunch.ranks.debug_mode import collective_device, debug_enabled, in_group, unpatched, verify
+from nblaunch.ranks.debug_mode import checks_enabled, collective_device, in_group, unpatched, verify
 
 _trigger = False
 
@@ -53,7 +53,7 @@ def check_trigger() -> bool:
     if not in_group() or dist.get_world_size() < 2:
         fired = _trigger
     else:
-        if debug_enabled():
+        if checks_enabled():
             verify("nblaunch.ranks.trigger.check_trigger", rule="none")
         flag = torch.tensor([1 if _trigger else 0], dtype=torch.int32, device=collective_device())
         unpatched("all_reduce")(flag)

@@ -57,6 +57,7 @@ _tree_marker: str | None = None  # see containment.TREE_ENV
 RANK_FEATURES = (
     "nblaunch.ranks.logging",
     "nblaunch.ranks.trigger",
+    "nblaunch.ranks.fingerprints",
     "nblaunch.ranks.debug_patches",
     "nblaunch.ranks.batch_size",
     "nblaunch.ranks.heartbeat",

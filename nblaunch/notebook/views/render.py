@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nblaunch.events import RunState
+from nblaunch.events import RunState, checking_mode
 from nblaunch.notebook.charts import render_svg
 from nblaunch.notebook.views.ansi import esc, strip_to_html, to_html
 from nblaunch.notebook.views.fold import fold_lines, rank_ranges
@@ -84,7 +84,7 @@ CSS = """<style>
 
 
 def head_html(model: RunModel, elapsed_s: float) -> str:
-    """The header: ranks, device, start method, debug, time, run directory, notes, warnings.
+    """The header: ranks, device, start method, checks, time, run directory, notes, warnings.
 
     ``elapsed_s`` is shown while the run goes on; once it ended, its own time is.
     """
@@ -94,7 +94,7 @@ def head_html(model: RunModel, elapsed_s: float) -> str:
         f"<b>{world} rank{'s' if world != 1 else ''}</b>",
         esc(info.get("device_kind", "")),
         esc(info.get("start_method", "")),
-        f"debug {'on' if info.get('debug') else 'off'}",
+        checking_mode(info),
     ]
     if model.ended is not None:
         parts.append(f"<b>{model.outcome_word()}</b> in {model.ended['elapsed_s']:.1f} s")

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TextIO
 
-from nblaunch.events import Event, RunState
+from nblaunch.events import Event, RunState, checking_mode
 from nblaunch.notebook.views.fold import fold_lines, rank_ranges
 from nblaunch.notebook.views.model import Line
 from nblaunch.options import DEFAULT_LINE_PREFIX, format_line_prefix
@@ -94,7 +94,7 @@ class TextView:
             self.world_size = event["world_size"]
             line = (
                 f"nblaunch: {event['world_size']} rank(s) on {event['device_kind']} "
-                f"({event['start_method']}{', debug' if event['debug'] else ''})"
+                f"({event['start_method']}, {checking_mode(event)})"
             )
             if event["run_dir"]:
                 line += f", logs in {event['run_dir']}"

@@ -1,0 +1,228 @@
+"""The out-of-band collective checks in the notebook: compare the ranks' collectives as they come.
+
+Each rank sends a record of every collective it issues down a local socket
+(:mod:`nblaunch.ranks.fingerprints`), read here at every check (:class:`CallReader`); a joined
+node of a multi-node run passes what its ranks sent on to the notebook as ``Collectives``
+events, with its other events. :class:`CollectiveChecks` keeps the records of each
+collective (task, process group, its number on that group) until every rank of the group sent
+one, and compares them with debug mode's rules
+(:func:`nblaunch.ranks.debug_report.mismatch_message`) as soon as two are there. When they
+disagree the run ends with the same :class:`~nblaunch.errors.DistributedOperationException`
+debug mode raises (both calls, both call sites, the shape table) within about a tenth of a
+second of the second rank's call, even when gloo aborted a rank right after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import struct
+import uuid
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from nblaunch.engine.monitor import RunContext
+from nblaunch.engine.source_lines import cell_names
+from nblaunch.engine.verdict import Cause, RootCause
+from nblaunch.errors import DistributedOperationException
+from nblaunch.ranks.debug_report import mismatch_message
+
+if TYPE_CHECKING:
+    from nblaunch.engine.plan import LaunchPlan
+
+# Collectives kept while waiting for a group's other ranks; past this the oldest are dropped
+# (a rank that failed half-way never sends the rest, and the run may go on in a pool).
+MAX_OPEN = 10_000
+# Rules whose comparison needs every rank's record, in group order (all_gather's outputs).
+_WHOLE_GROUP_RULES = ("all_gather", "all_gather_even")
+# Most bytes read from one rank's connection per check (about 2000 records).
+READ_BYTES = 1 << 19
+
+
+class CallReader:
+    """The launcher's end of the ranks' sockets: a listening socket in Linux's abstract
+    namespace (its name travels in the ranks' set-up options), and one connection per rank and
+    task. Nothing waits on it: :meth:`read` takes what arrived, without blocking.
+
+    Each message is a 4-byte length and a pickled ``CollectiveCall``. Only processes of this
+    user may connect (the abstract namespace has no file permissions), which may read this
+    process's memory anyway: their pickles are as trusted as the ranks' event pipes.
+    """
+
+    def __init__(self) -> None:
+        self.address = f"nblaunch-checks-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + self.address)
+        self.listener.listen(256)
+        self.listener.setblocking(False)
+        self.connections: dict[socket.socket, bytes] = {}  # each with its unfinished message
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every whole record that arrived since the last read."""
+        self._accept()
+        calls: list[dict[str, Any]] = []
+        for conn in list(self.connections):
+            try:
+                data = conn.recv(READ_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:  # the task ended on that rank
+                self._drop(conn)
+                continue
+            buffer = self.connections[conn] + data
+            start = 0
+            while len(buffer) - start >= 4:
+                (size,) = struct.unpack_from("<I", buffer, start)
+                end = start + 4 + size
+                if end > len(buffer):
+                    break  # the rest comes with the next read
+                try:
+                    calls.append(pickle.loads(buffer[start + 4 : end]))
+                except Exception:  # not a rank's record: stop listening to that connection
+                    self._drop(conn)
+                    break
+                start = end
+            if conn in self.connections:
+                self.connections[conn] = buffer[start:]
+        return calls
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, OSError):
+                return
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _, uid, _ = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self.connections[conn] = b""
+
+    def _drop(self, conn: socket.socket) -> None:
+        self.connections.pop(conn, None)
+        conn.close()
+
+    def close(self) -> None:
+        for conn in list(self.connections):
+            self._drop(conn)
+        with contextlib.suppress(OSError):
+            self.listener.close()
+
+
+# The readers alive, by address: a pool's next task has new monitors but the same ranks, which
+# know the address they were set up with.
+_readers: weakref.WeakValueDictionary[str, CallReader] = weakref.WeakValueDictionary()
+
+
+def reader_for(plan: LaunchPlan) -> CallReader:
+    """The reader whose address the plan's ranks were given, or a new one (its address then goes
+    into the plan's options, which the ranks' set-up carries)."""
+    address = plan.options.get("checks_address")
+    reader = _readers.get(address) if address else None
+    if reader is None:
+        reader = CallReader()
+        _readers[reader.address] = reader
+        plan.options["checks_address"] = reader.address
+    return reader
+
+
+def compare(records: dict[int, dict[str, Any]], complete: bool) -> str | None:
+    """Debug mode's report for the records of one collective (by rank), or ``None`` if they agree.
+
+    ``complete``: every rank of the group sent its record. Before that, everything is compared
+    but an all-gather's outputs, which need every rank's input.
+    """
+    ordered = [records[rank] for rank in sorted(records)]
+    if len({record["op"] for record in ordered}) > 1:
+        return mismatch_message(ordered)
+    if not complete and ordered[0].get("rule") in _WHOLE_GROUP_RULES:
+        return None
+    return mismatch_message(ordered)
+
+
+class CollectiveChecks:
+    """Ends a run whose ranks disagree on a collective (a ``Monitor``; see the module).
+
+    Parameters
+    ----------
+    plan
+        The launch plan: its world size names the ranks in the report; with the checks on,
+        its options carry the reader's address (:func:`reader_for`).
+    """
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.world_size = plan.world_size
+        self.reader = reader_for(plan) if plan.checks else None
+        self.open: dict[tuple[int, str, int], dict[int, dict[str, Any]]] = {}
+        self.compared = 0  # collectives every rank of the group reported, found consistent
+        self.found: RootCause | None = None
+        self.reported = False
+
+    def on_event(self, run: RunContext, event: dict[str, Any]) -> None:
+        """Another node's ranks' calls, passed on by its launcher."""
+        if event["kind"] != "collectives":
+            return
+        for call in event["calls"]:
+            self._take(call)
+
+    def _take(self, call: dict[str, Any]) -> None:
+        if self.found is not None:
+            return
+        rank = call["rank"]
+        key = (call["task"], call["group"], call["n"])
+        records = self.open.get(key)
+        if records is None:
+            if len(self.open) >= MAX_OPEN:
+                del self.open[next(iter(self.open))]
+            records = self.open[key] = {}
+        records[rank] = call["record"]
+        if len(records) < 2:
+            return
+        complete = len(records) >= call["size"]
+        message = compare(records, complete)
+        if message is not None:
+            self.found = self._root(call, records, message)
+        elif complete:
+            del self.open[key]
+            self.compared += 1
+
+    def check(self, run: RunContext) -> RootCause | None:
+        if self.reader is not None and not self.reported:
+            calls = self.reader.read()
+            for call in calls:
+                self._take(call)
+            if calls:  # a joined node's launcher sends them on to the notebook's
+                run.publish({"kind": "collectives", "calls": calls})  # type: ignore[typeddict-item]
+        if self.found is None or self.reported:
+            return None
+        self.reported = True  # once: the run ends with it
+        self.open.clear()
+        return self.found
+
+    def _root(
+        self, call: dict[str, Any], records: dict[int, dict[str, Any]], message: str
+    ) -> RootCause:
+        ranks = sorted(records)
+        group = "the default group" if call["group"] == "0" else f"process group {call['group']}"
+        message = cell_names(message) + (
+            f"\n\nFound by nblaunch's checks (on by default), comparing the calls of ranks "
+            f"{', '.join(map(str, ranks))} at collective #{call['n']} of {group}. The mismatched "
+            "call may have run already: with debug=True every rank checks each call before it "
+            "runs (slower; worth it with NCCL, where a size mismatch can corrupt memory)."
+        )
+        headline = message.splitlines()[0]
+        names = " and ".join(f"rank {r}" for r in ranks[:2])
+        title = f"{names} of {self.world_size} disagree on collective #{call['n']}"
+        return RootCause(
+            Cause.MISMATCH,
+            ranks[0],
+            headline,
+            exception=DistributedOperationException(message),
+            title=title,
+        )

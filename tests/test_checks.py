@@ -1,0 +1,398 @@
+"""The out-of-band collective checks, on by default: real ranks (2 CPU, gloo), and the monitor."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nblaunch import DistributedOperationException, notebook_launcher, start_pool
+from nblaunch.engine.checks import CallReader, CollectiveChecks, compare
+from nblaunch.engine.plan import plan_launch
+from nblaunch.engine.verdict import Cause
+from nblaunch.options import LaunchOptions
+from nblaunch.ranks.debug_report import digest
+from tests.conftest import rank_children, wait_until
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def launch(function, args=(), **kwargs):
+    kwargs.setdefault("display", "none")
+    kwargs.setdefault("timeout", 60)  # a missed mismatch fails the test instead of hanging it
+    return notebook_launcher(function, args, num_processes=2, device_type="cpu", **kwargs)
+
+
+def line_of(function, marker: str) -> int:
+    lines, start = inspect.getsourcelines(function)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def reported(function, **kwargs) -> tuple[str, float]:
+    """The DistributedOperationException's message, and the seconds from the launch to it."""
+    started = time.monotonic()
+    with pytest.raises(DistributedOperationException) as info:
+        launch(function, **kwargs)
+    elapsed = time.monotonic() - started
+    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+    return str(info.value), elapsed
+
+
+# --- the issue's cases, with the default settings -------------------------------------------------
+
+
+def count_mismatch():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(3)
+    for _ in range(3 if dist.get_rank() == 0 else 2):
+        dist.all_reduce(t)
+    dist.barrier()
+
+
+def operation_mismatch():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(3)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, 0)
+
+
+def shape_mismatch():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.arange(5.0).reshape(1, 5) if dist.get_rank() == 0 else torch.zeros(1, 2, 5)
+    dist.broadcast(t, 0)  # gloo fills rank 1's first row and returns: no error of its own
+    return t.tolist()
+
+
+def test_a_rank_calling_a_collective_once_more_is_named_at_the_call():
+    message, elapsed = reported(count_mismatch)
+    reduce, barrier = line_of(count_mismatch, "all_reduce(t)"), line_of(count_mismatch, "barrier")
+    assert message.startswith(
+        "Cannot apply desired operation: processes called different collectives at the same "
+        f"step (rank 0 called all_reduce at test_checks.py:{reduce} while rank 1 called barrier "
+        f"at test_checks.py:{barrier})"
+    ), message
+    assert "comparing the calls of ranks 0, 1 at collective #3 of the default group" in message
+    assert elapsed < 10, elapsed
+
+
+def test_different_collectives_at_the_same_step_are_named():
+    message, elapsed = reported(operation_mismatch)
+    reduce = line_of(operation_mismatch, "all_reduce(t)")
+    broadcast = line_of(operation_mismatch, "broadcast(t, 0)")
+    assert f"rank 0 called all_reduce at test_checks.py:{reduce}" in message, message
+    assert f"rank 1 called broadcast at test_checks.py:{broadcast}" in message
+    assert elapsed < 10, elapsed
+
+
+def test_a_shape_mismatch_gloo_lets_through_is_caught():
+    message, elapsed = reported(shape_mismatch)
+    assert message.startswith(
+        "Cannot apply desired operation due to shape mismatches. All shapes across devices must "
+        "be valid.\n\nOperation: `torch.distributed.broadcast`\nInput shapes:\n"
+        "  - Process 0: [1, 5]\n  - Process 1: [1, 2, 5]\n"
+    ), message
+    assert elapsed < 10, elapsed
+
+
+def trainer_callback_mismatch():
+    """A Transformers ``Trainer`` (one-layer GPT-2, 6 steps) whose callback all-reduces on rank 0
+    only, at the end of step 2: rank 1 goes on into step 3's backward."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    os.environ["ACCELERATE_USE_CPU"] = "1"
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    ids = torch.randint(0, 100, (64, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    class LogOnRankZero(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if dist.get_rank() == 0 and state.global_step == 2:
+                dist.all_reduce(torch.ones(1))  # "log the mean loss", on one rank only
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = TrainingArguments(
+            output_dir=output_dir,
+            max_steps=6,
+            per_device_train_batch_size=4,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=GPT2LMHeadModel(config),
+            args=args,
+            train_dataset=data,
+            callbacks=[LogOnRankZero()],
+        )
+        assert args.world_size == 2
+        trainer.train()
+
+
+def test_a_collective_one_rank_adds_in_a_trainer_callback_is_named():
+    pytest.importorskip("transformers")
+    message, elapsed = reported(trainer_callback_mismatch, timeout=120)
+    line = line_of(trainer_callback_mismatch, "dist.all_reduce(torch.ones(1))")
+    assert f"rank 0 called all_reduce at test_checks.py:{line} while rank 1 " in message, message
+    assert elapsed < 60, elapsed  # most of it is importing transformers and building the model
+
+
+def test_a_pools_every_task_is_checked_and_the_pool_goes_on():
+    # A pool's tasks get fresh monitors; its ranks keep the address they were set up with.
+    with start_pool(2, device_type="cpu", display="none") as pool:
+        assert pool.run(count_mismatch_free) == [3.0, 3.0]
+        started = time.monotonic()
+        with pytest.raises(DistributedOperationException, match="rank 1 called broadcast"):
+            pool.run(operation_mismatch)
+        assert time.monotonic() - started < 10
+        assert pool.run(count_mismatch_free) == [3.0, 3.0]
+
+
+def count_mismatch_free():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    for _ in range(3):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.barrier()
+    return t.item() * 3
+
+
+@pytest.mark.parametrize("how", ["debug=False", "NBLAUNCH_CHECKS=0"])
+def test_the_checks_can_be_turned_off(how, monkeypatch):
+    kwargs = {}
+    if how == "debug=False":
+        kwargs["debug"] = False
+    else:
+        monkeypatch.setenv("NBLAUNCH_CHECKS", "0")
+    rank0, rank1 = launch(shape_mismatch, **kwargs)  # the silent corruption the checks catch
+    assert rank0 == [[0.0, 1.0, 2.0, 3.0, 4.0]]
+    assert rank1 == [[[0.0, 1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0, 0.0]]]
+
+
+def test_the_plan_says_which_checks_run(monkeypatch):
+    def mode(**kwargs):
+        plan = plan_launch(print, 2, LaunchOptions(**kwargs))
+        return plan.debug, plan.checks, plan.setup_message(0)["options"]["checks"]
+
+    assert mode() == (False, True, True)
+    assert mode(debug=True) == (True, False, False)
+    assert mode(debug=False) == (False, False, False)
+    monkeypatch.setenv("NBLAUNCH_CHECKS", "0")
+    assert mode() == (False, False, False)
+
+
+# --- no false reports -----------------------------------------------------------------------------
+
+
+def consistent_collectives():
+    import torch
+    import torch.distributed as dist
+
+    import nblaunch
+
+    r = dist.get_rank()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+    objects = [None, None]
+    dist.all_gather_object(objects, {"rank": r})
+    # all_to_all_single with uneven splits: every rank sends and receives different sizes
+    sent = torch.arange(3.0) if r == 0 else torch.arange(5.0)
+    received = torch.empty(4)
+    dist.all_to_all_single(
+        received, sent, [1, 3] if r == 0 else [2, 2], [1, 2] if r == 0 else [3, 2]
+    )
+    dist.gather(torch.ones(2), [torch.zeros(2), torch.zeros(2)] if r == 0 else None, dst=0)
+    alone = dist.new_group([0])
+    if r == 0:
+        dist.all_reduce(torch.ones(2), group=alone)
+    pair = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(2), group=pair)
+    peer = 1 - r
+    ops = [
+        dist.P2POp(dist.isend, torch.ones(2), peer),
+        dist.P2POp(dist.irecv, torch.zeros(2), peer),
+    ]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    nblaunch.gather(torch.ones(2))
+    nblaunch.gather_object(r)
+    nblaunch.all_reduce(torch.ones(2))
+    dist.broadcast_object_list([r], src=0)
+    dist.barrier()
+    return objects
+
+
+def test_consistent_collectives_of_every_kind_raise_nothing():
+    assert launch(consistent_collectives) == [[{"rank": 0}, {"rank": 1}]] * 2
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["ddp_uneven", "mismatched_collectives", "fsdp2_skip", "hf_trainer_raise", "lightning_raise"],
+)
+def test_healthy_real_training_raises_nothing(name):
+    """bench_real's scenarios with ``healthy=True``: DDP, FSDP2, Trainer, Lightning."""
+    if name == "hf_trainer_raise":
+        pytest.importorskip("transformers")
+    if name == "lightning_raise":
+        pytest.importorskip("lightning")
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import real_scenarios
+
+        scenario = real_scenarios.SCENARIOS[name]
+        results = launch(scenario.function, (True,), timeout=300)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert len(results) == 2
+
+
+# --- the monitor alone ----------------------------------------------------------------------------
+
+
+def record(rank: int, op: str = "torch.distributed.all_reduce", shape=(2,), **fields):
+    shapes = [list(shape)]
+    base = {
+        "op": op,
+        "rank": rank,
+        "site": f"train.py:{10 + rank}",
+        "rule": "same",
+        "n": 1,
+        "shapes": shapes,
+        "dtypes": ["torch.float32"],
+        "devices": ["cpu"],
+        "key": {"shape": digest(shapes), "dtype": "d", "device": "c"},
+        "out": None,
+        "args": {},
+        "problem": None,
+    }
+    return {**base, **fields}
+
+
+def batch(rank: int, *calls, task: int = 1):
+    """A joined node's ``Collectives`` event: ``rank``'s calls ``(group, n, record)``."""
+    return {
+        "kind": "collectives",
+        "calls": [
+            {"rank": rank, "task": task, "group": g, "n": n, "size": 2, "record": r}
+            for g, n, r in calls
+        ],
+    }
+
+
+class FakeRun:
+    def now(self) -> float:
+        return 0.0
+
+
+def monitor() -> CollectiveChecks:
+    return CollectiveChecks(plan_launch(print, 2, LaunchOptions(debug=False)))
+
+
+def test_records_that_agree_are_compared_once_and_forgotten():
+    checks, run = monitor(), FakeRun()
+    checks.on_event(run, batch(0, ("0", 1, record(0)), ("0", 2, record(0))))
+    assert len(checks.open) == 2
+    checks.on_event(run, batch(1, ("0", 1, record(1)), ("0", 2, record(1))))
+    assert checks.open == {} and checks.compared == 2
+    assert checks.check(run) is None
+
+
+def test_the_first_disagreement_ends_the_run_once():
+    checks, run = monitor(), FakeRun()
+    checks.on_event(run, batch(0, ("0", 1, record(0)), ("0", 2, record(0))))
+    checks.on_event(
+        run, batch(1, ("0", 1, record(1)), ("0", 2, record(1, "torch.distributed.barrier")))
+    )
+    root = checks.check(run)
+    assert root is not None and root.cause is Cause.MISMATCH
+    assert isinstance(root.exception, DistributedOperationException)
+    assert "rank 0 called all_reduce at train.py:10 while rank 1 called barrier at train.py:11" in (
+        str(root.exception)
+    )
+    assert root.title == "rank 0 and rank 1 of 2 disagree on collective #2"
+    assert checks.check(run) is None  # reported once
+
+
+def test_calls_of_other_groups_and_tasks_are_never_compared():
+    checks, run = monitor(), FakeRun()
+    checks.on_event(run, batch(0, ("0", 1, record(0)), ("1", 1, record(0, shape=(3,)))))
+    checks.on_event(run, batch(1, ("0", 1, record(1, shape=(2,)))))
+    checks.on_event(run, batch(1, ("1", 1, record(1, shape=(3,))), task=2))
+    assert checks.check(run) is None
+
+
+def test_an_all_gathers_outputs_wait_for_every_rank():
+    gathered = record(0, rule="all_gather", out=digest([[2], [9]]))
+    assert (
+        compare({0: gathered, 1: record(1, rule="all_gather", out=digest([[2], [9]]))}, False)
+        is None
+    )
+    complete = compare({0: gathered, 1: record(1, rule="all_gather", out=digest([[2], [9]]))}, True)
+    assert complete is not None and "shape mismatches" in complete
+    other = compare({0: gathered, 1: record(1, "torch.distributed.barrier")}, False)
+    assert other is not None and "different collectives" in other
+
+
+def test_the_reader_takes_whole_records_and_drops_a_connection_that_sends_garbage():
+    reader = CallReader()
+    rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        rank.connect("\0" + reader.address)
+        first, second = (pickle.dumps({"n": n}) for n in (1, 2))
+        message = struct.pack("<I", len(second)) + second
+        rank.sendall(struct.pack("<I", len(first)) + first + message[:5])
+        got: list = []
+        assert wait_until(lambda: got.extend(reader.read()) or got, timeout=5)
+        assert got == [{"n": 1}]  # the second is not whole yet
+        rank.sendall(message[5:])
+        got.clear()
+        assert wait_until(lambda: got.extend(reader.read()) or got, timeout=5)
+        assert got == [{"n": 2}]
+
+        def hung_up(conn: socket.socket) -> bool:
+            reader.read()
+            try:
+                return conn.recv(1, socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                return False
+
+        stranger.connect("\0" + reader.address)
+        stranger.sendall(struct.pack("<I", 3) + b"bad")
+        assert wait_until(lambda: hung_up(stranger), timeout=5)
+        assert len(reader.connections) == 1  # the rank's
+    finally:
+        rank.close()
+        stranger.close()
+        reader.close()
