@@ -14,7 +14,6 @@ socket are, its host's pid and its state. The host keeps it up to date.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -338,9 +337,3 @@ class AttachedRun:
         if "error" in self._outcome:
             raise self._outcome["error"]
         return self._outcome["values"]
-
-    def close(self) -> None:
-        """Stop watching (the run goes on)."""
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)

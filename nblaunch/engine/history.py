@@ -140,10 +140,6 @@ class EventHub:
             view.flush(force=True)
             self._watchers = (*self._watchers, watcher)
 
-    def unwatch(self, view: EventSink) -> None:
-        with self._lock:
-            self._watchers = tuple(w for w in self._watchers if w.view is not view)
-
     def handle(self, event: Event) -> None:
         with self._lock:
             self.history.add(event)
