@@ -18,6 +18,7 @@ from conftest import Kernel, wait_until
 import nblaunch
 from nblaunch.engine import detached
 from nblaunch.errors import RunStoppedError
+from nblaunch.notebook.views import RecordingView
 
 
 @pytest.fixture
@@ -80,8 +81,10 @@ def test_a_detached_failure_comes_back_as_the_ranks_own_exception_also_after_the
     assert later.state == "failed"
     with pytest.raises(KeyError, match="no column 3 on rank 1"):
         later.result()
-    texts = [e.get("text") for e in later.hub.history.events() if e["kind"] == "stream"]
-    assert "step 2" in texts
+    seen = RecordingView()
+    later.watch(seen)  # the run ended: what its host left in the run directory
+    assert "step 2" in [e["text"] for e in seen.of("stream")]
+    assert seen.of("run_ended")
 
 
 def test_the_cli_lists_and_stops_a_detached_run(registry):
@@ -144,8 +147,10 @@ def test_a_detached_run_survives_a_killed_kernel_and_a_new_kernel_gets_its_lines
         assert result["out"].strip() == "[100, 101]", result
         # Lines printed after the kernel died are in what the new kernel's view was given.
         seen = second.run(
-            "print(sorted({e['text'] for e in h.hub.history.events() "
-            "if e['kind'] == 'stream' and e['rank'] == 0}, key=lambda t: int(t.split()[1]))[-1])"
+            "from nblaunch.notebook.views import RecordingView\n"
+            "seen = RecordingView()\nh.watch(seen)\n"
+            "print(sorted({e['text'] for e in seen.of('stream') if e['rank'] == 0}, "
+            "key=lambda t: int(t.split()[1]))[-1])"
         )
         assert seen["out"].strip() == "step 59"
         assert killed_at_lines < 59
@@ -276,3 +281,26 @@ def test_detached_pool_arguments_it_cannot_honour_are_refused(registry):
         nblaunch.start_pool(2, detach=True, num_nodes=2)
     with pytest.raises(nblaunch.LaunchError, match="add detach=True"):
         nblaunch.start_pool(2, idle_limit=10)
+
+
+def test_in_a_kernel_interrupting_a_wait_leaves_the_run_and_a_killed_kernel_leaves_nothing(kernel):
+    kernel.run(STEPS_CELL)
+    kernel.run("h = nblaunch.notebook_launcher(steps, (600, 0.1), 2, block=False, display='none')")
+    waited = kernel.run("h.result()", interrupt_after=1.0, timeout=30)
+    assert waited["error"] == "KeyboardInterrupt", waited
+    assert kernel.run("print(h.state)")["out"].strip() == "running"  # only the wait ended
+    pid = kernel.pid()
+    ranks = [
+        int(p)
+        for p in kernel.run("print(*[r.pid for r in h._control.run.backend.ranks])")["out"].split()
+    ]
+    assert len(ranks) == 2 and all(psutil.pid_exists(p) for p in ranks)
+    os.kill(pid, signal.SIGKILL)  # a background run is the kernel's: it goes with it
+    assert wait_until(lambda: not any(_running(p) for p in ranks), 10)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

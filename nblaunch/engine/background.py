@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from nblaunch.engine.history import EventHub
 from nblaunch.engine.run import Run
 from nblaunch.errors import RunStoppedError
+from nblaunch.events import EventSink
 
 # What ``RunControl.state`` says.
 RUNNING, DONE, FAILED, STOPPED, LOST = "running", "done", "failed", "stopped", "lost"
@@ -26,7 +27,7 @@ RUNNING, DONE, FAILED, STOPPED, LOST = "running", "done", "failed", "stopped", "
 class RunControl(Protocol):
     """What the notebook can do with a run that does not hold its cell."""
 
-    hub: EventHub  # the run's events, and its history for a late view
+    hub: EventHub  # the run's events (and, in this process, its history for a late view)
     run_id: str
     run_dir: Path | None
 
@@ -39,6 +40,9 @@ class RunControl(Protocol):
 
     def stop(self) -> None:
         """Stop every rank, as the interrupt button stops a blocking launch."""
+
+    def watch(self, view: EventSink) -> None:
+        """Give ``view`` what the run kept so far, then every event until it ends."""
 
     def values(self) -> list[Any]:
         """The values by rank, or raise what a blocking launch would have raised."""
@@ -125,6 +129,9 @@ class BackgroundTask:
     def stop(self) -> None:
         if not self._done.is_set():
             self._stop()
+
+    def watch(self, view: EventSink) -> None:
+        self.hub.watch(view)
 
     def values(self) -> list[Any]:
         __tracebackhide__ = True

@@ -34,6 +34,7 @@ from nblaunch.engine.history import EventHub
 from nblaunch.engine.plan import LaunchPlan
 from nblaunch.engine.run_dirs import RunLease
 from nblaunch.errors import LaunchError, RankFailedError
+from nblaunch.events import Event, EventSink
 
 LAUNCH_FILE = "launch.pkl"  # the plan and payload the host runs
 RESULT_FILE = "result.pkl"  # the outcome, once the run ended
@@ -233,25 +234,40 @@ def start_run_host(plan: LaunchPlan, payload: bytes, function: str = "") -> Entr
 
 
 class AttachedRun:
-    """A detached run seen from a notebook: its events, its outcome, a way to stop it.
+    r"""A detached run seen from a notebook: its outcome, a way to stop it, and its views.
 
     Connects to the host's socket when the run is going; a run that ended is read from its
     directory (history and outcome). Offers :class:`~nblaunch.engine.background.RunControl`.
+    The connection asks for the outcome only ("quiet"): each view :meth:`watch`\ es the run
+    through a connection of its own, given the host's history first, so a handle that shows
+    nothing costs the notebook nothing per line.
+
+    Parameters
+    ----------
+    entry
+        The run's registry entry.
+    view
+        Watch the run with this view (a view's own connection); None: the control connection.
     """
 
-    def __init__(self, entry: Entry) -> None:
+    def __init__(self, entry: Entry, view: EventSink | None = None) -> None:
         self.entry = entry
         self.run_id = entry.run_id
         self.run_dir: Path | None = entry.run_dir
-        self.hub = EventHub()
+        self.hub = EventHub(keep=False)  # each view watches from the connection's start
+        self.header: Event | None = None  # shown at once by the launch cell's view
         self._done = threading.Event()
         self._outcome: dict[str, Any] | None = None
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
+        if view is not None:
+            self.hub.watch(view)
         if entry.live_state == RUNNING:
             try:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._sock.connect(entry.socket)
+                if view is None:
+                    wire.send(self._sock, wire.QUIET, None)
             except OSError:
                 self._sock = None  # it ended a moment ago: read what it left
         if self._sock is None:
@@ -261,14 +277,19 @@ class AttachedRun:
         thread.daemon = True
         thread.start()
 
+    def watch(self, view: EventSink) -> None:
+        """Show the run in ``view``: what the host kept, then live (a connection of its own)."""
+        if self.header is not None and not self._done.is_set():
+            view.handle(self.header)  # now, in the caller's cell, before the host's events
+        AttachedRun(self.entry, view)
+
     def _read(self) -> None:
         assert self._sock is not None
         try:
             while (message := wire.receive(self._sock)) is not None:
                 kind, body = message
                 if kind == wire.EVENTS:
-                    for event in body:
-                        self.hub.handle(event)
+                    self.hub.handle_many(body)
                     self.hub.flush()
                 elif kind == wire.OUTCOME:
                     self._outcome = pickle.loads(body)
@@ -288,8 +309,7 @@ class AttachedRun:
             events = pickle.loads((self.entry.run_dir / HISTORY_FILE).read_bytes())
         except (OSError, pickle.UnpicklingError, EOFError):
             events = []
-        for event in events:
-            self.hub.handle(event)
+        self.hub.handle_many(events)
         self._outcome = self._outcome_on_disk()
         self.hub.close()
         self._done.set()

@@ -104,6 +104,12 @@ class _Watcher:
         self.view = view
         self.context = contextvars.copy_context()
         self.handle = view.handle  # bound once: every line a rank prints passes here
+        self.handle_many = getattr(view, "handle_many", None) or self._one_by_one
+
+    def _one_by_one(self, events: list[Event]) -> None:
+        handle = self.handle
+        for event in events:
+            handle(event)
 
     def call(self, method: str, *args: Any) -> None:
         self.context.run(getattr(self.view, method), *args)
@@ -119,8 +125,9 @@ class EventHub:
     page must not stop the run.
     """
 
-    def __init__(self, history: RunHistory | None = None) -> None:
-        self.history = history if history is not None else RunHistory()
+    def __init__(self, history: RunHistory | None = None, *, keep: bool = True) -> None:
+        # keep=False: no history (a hub whose views all watch from its first event).
+        self.history: RunHistory | None = (history or RunHistory()) if keep else None
         self.closed = False
         # Replaced, never changed in place: handle() loops over it without copying.
         self._watchers: tuple[_Watcher, ...] = ()
@@ -131,7 +138,7 @@ class EventHub:
         """Give ``view`` the history, then every new event; closed at once if the run is over."""
         with self._lock:
             watcher = _Watcher(view)
-            for event in self.history.events():
+            for event in self.history.events() if self.history is not None else []:
                 view.handle(event)
             if self.closed:
                 view.flush(force=True)
@@ -142,10 +149,25 @@ class EventHub:
 
     def handle(self, event: Event) -> None:
         with self._lock:
-            self.history.add(event)
+            if self.history is not None:
+                self.history.add(event)
             for watcher in self._watchers:
                 try:
                     watcher.context.run(watcher.handle, event)
+                except Exception as exc:  # a view's trouble must never stop the run
+                    self._drop(watcher, exc)
+
+    def handle_many(self, events: list[Event]) -> None:
+        """``handle`` for each of ``events``, with one lock and one call per view: the lines of
+        one read from a rank's pipe, a batch from a run host."""
+        with self._lock:
+            if self.history is not None:
+                add = self.history.add
+                for event in events:
+                    add(event)
+            for watcher in self._watchers:
+                try:
+                    watcher.context.run(watcher.handle_many, events)
                 except Exception as exc:  # a view's trouble must never stop the run
                     self._drop(watcher, exc)
 

@@ -206,15 +206,16 @@ class LineSplitter:
         else:
             self._drawing.discard((rank, fd))
             self.tails[rank].extend(texts[-TAIL_LINES:])
+        events: list[Stream] = [
+            {"kind": "stream", "rank": rank, "fd": fd, "text": text, "carriage": carriage}
+            for text in texts
+        ]
+        many = getattr(self.sink, "handle_many", None)  # a hub takes a read's lines at once
+        if many is not None:
+            many(events)
+            return
         handle = self.sink.handle
-        for text in texts:
-            event: Stream = {
-                "kind": "stream",
-                "rank": rank,
-                "fd": fd,
-                "text": text,
-                "carriage": carriage,
-            }
+        for event in events:
             handle(event)
 
 

@@ -6,7 +6,8 @@ is a cloudpickle, because the exception a rank raised may be of a class the note
 
 The host sends, in order: ``("events", [event, ...])`` batches (the history first, then what
 comes live), then once the run ended ``("outcome", bytes)`` and ``("closed", None)``. A notebook
-sends ``("stop", None)``.
+sends ``("stop", None)``, and ``("quiet", None)`` when it wants only the outcome (a handle
+that shows no view: each view has a connection of its own).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import struct
 from typing import Any
 
 _LENGTH = struct.Struct("!Q")
-EVENTS, OUTCOME, CLOSED, STOP = "events", "outcome", "closed", "stop"
+EVENTS, OUTCOME, CLOSED, STOP, QUIET = "events", "outcome", "closed", "stop", "quiet"
 
 
 def send(sock: socket.socket, kind: str, body: Any) -> None:

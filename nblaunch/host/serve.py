@@ -26,13 +26,20 @@ _END = object()  # after it the client's thread sends the outcome and stops
 
 
 class ClientFeed:
-    """One attached notebook: an event sink whose events a thread sends down its socket."""
+    """One attached notebook: an event sink whose events a thread sends down its socket.
+
+    ``handle`` only appends; each ``flush`` (the relay's, once per turn) queues what came since
+    as one batch, so the sending thread wakes once a turn, not once a line.
+    """
 
     def __init__(self, sock: socket.socket, on_stop: Any) -> None:
         self.sock = sock
         self.on_stop = on_stop
         self.gone = False
+        self.quiet = False  # the notebook wants the outcome only
+        self._pending: list[Event] = []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._queued = 0  # events queued and not yet sent (roughly: two threads count it)
         self.outcome: bytes | None = None
         self.sender = threading.Thread(target=self._send, name="nblaunch-feed", daemon=True)
         self.reader = threading.Thread(target=self._read, name="nblaunch-commands", daemon=True)
@@ -44,22 +51,30 @@ class ClientFeed:
     # --- EventSink ------------------------------------------------------------------------------
 
     def handle(self, event: Event) -> None:
-        if self.gone:
-            return
-        if self._queue.qsize() > MAX_QUEUED:
-            self.gone = True  # too far behind: it attaches again and gets the history
-            self._queue.put(_END)
-            return
-        self._queue.put(event)
+        self._pending.append(event)
+
+    def handle_many(self, events: list[Event]) -> None:
+        self._pending.extend(events)
 
     def flush(self, force: bool = False) -> None:
-        pass
+        if not self._pending or self.gone or self.quiet:
+            self._pending.clear()
+            return
+        if self._queued > MAX_QUEUED:
+            self.gone = True  # too far behind: it attaches again and gets the history
+            self._pending.clear()
+            self._queue.put(_END)
+            return
+        batch, self._pending = self._pending, []
+        self._queued += len(batch)
+        self._queue.put(batch)
 
     def close(self) -> None:
-        pass  # the run's last events are queued; the outcome follows with end()
+        self.flush()  # the run's last events; the outcome follows with end()
 
     def end(self, outcome: bytes) -> None:
         """Send the outcome after what is queued, then close."""
+        self.flush()
         self.outcome = outcome
         self._queue.put(_END)
 
@@ -68,22 +83,15 @@ class ClientFeed:
     def _send(self) -> None:
         try:
             while True:
-                batch, ended = [self._queue.get()], False
-                while len(batch) < MAX_BATCH:
-                    try:
-                        batch.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
-                if batch[-1] is _END or _END in batch:
-                    ended = True
-                    batch = batch[: batch.index(_END)]
-                if batch:
-                    wire.send(self.sock, wire.EVENTS, batch)
-                if ended:
+                item = self._queue.get()
+                if item is _END:
                     if self.outcome is not None:
                         wire.send(self.sock, wire.OUTCOME, self.outcome)
                         wire.send(self.sock, wire.CLOSED, None)
                     return
+                for start in range(0, len(item), MAX_BATCH):
+                    wire.send(self.sock, wire.EVENTS, item[start : start + MAX_BATCH])
+                self._queued -= len(item)
         except OSError:
             pass  # the notebook went away; the run goes on
         finally:
@@ -96,6 +104,8 @@ class ClientFeed:
             while (message := wire.receive(self.sock)) is not None:
                 if message[0] == wire.STOP:
                     self.on_stop()
+                elif message[0] == wire.QUIET:
+                    self.quiet = True
         except (OSError, ValueError, EOFError):
             pass
 

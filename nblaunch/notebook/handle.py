@@ -24,6 +24,7 @@ from nblaunch.engine.background import RUNNING, BackgroundRun, RunControl
 from nblaunch.engine.history import EventHub
 from nblaunch.engine.plan import LaunchPlan
 from nblaunch.engine.run import Run
+from nblaunch.events import EventSink
 
 # Handles of this kernel's background and detached runs, oldest first; past MAX_REMEMBERED the
 # oldest ended ones are forgotten (each keeps its run's history for views).
@@ -124,11 +125,12 @@ class RunHandle:
         shown = choose.choose_view(display, defer="never", **self.views)
         if isinstance(shown, LaunchView):
             shown.on_stop = self.stop
-        self._control.hub.watch(shown)
+        self._control.watch(shown)
 
-    @property
-    def hub(self) -> EventHub:
-        return self._control.hub
+    def watch(self, sink: EventSink) -> None:
+        """Give ``sink`` (any view, e.g. a ``RecordingView``) the run's events: what was kept so
+        far, then every new one until the run ends."""
+        self._control.watch(sink)
 
     def __repr__(self) -> str:
         where = "detached" if self.detached else "background"
@@ -150,7 +152,7 @@ def launch_in_background(
         entry = detached.start_run_host(plan, payload, function)
         control = detached.AttachedRun(entry)
         # The header now, while this cell runs: the view is built in it.
-        control.hub.handle(plan.run_info(time.time()))
+        control.header = plan.run_info(time.time())
     else:
         run = Run(plan, EventHub())
         control = BackgroundRun(
