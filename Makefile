@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch, installed first so no requirement pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast test-browser lint bench install clean
+.PHONY: demo test test-fast test-browser screenshots lint bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,13 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) scripts/run_notebook.py notebooks/quickstart.ipynb
 
+# The docs' screenshots at 8 and 64 ranks are remade by `make screenshots`, not by every run:
+# the 16-rank browser test checks the same view, and 64 ranks on 2 cores cost half a minute.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not screenshots"
+
+screenshots: install
+	$(PY) -m pytest -q -m screenshots
 
 test-fast: install
 	$(PY) -m pytest -q -m "not browser and not slow"

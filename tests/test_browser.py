@@ -427,6 +427,7 @@ def many_ranks(request, tmp_path):
         yield ranks, url
 
 
+@pytest.mark.screenshots
 def test_screenshots_at_8_and_64_ranks(many_ranks):
     """The pictures docs/view.md shows (64 CPU ranks: a minute or more on 2 cores)."""
     ranks, url = many_ranks

@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +67,7 @@ if action == "during":
 elif action == "config":
     wait_for(base + "config")
     store.set(base + "config", evil)
+    open(os.path.join(out, "config-forged"), "w").close()
 elif action == "rendezvous":
     key = "torch.rendezvous." + run_id
     wait_for(key)
@@ -191,12 +193,24 @@ def test_a_third_process_reads_nothing_and_its_forgeries_are_dropped_and_said(no
 
 def test_a_node_refuses_settings_it_cannot_authenticate(nodes, tmp_path):
     attacker = Attacker(nodes, "config", tmp_path)
+    joiners = []
+
+    def join_after_the_forgery() -> None:
+        # The node reads the settings after the attacker replaced them: otherwise a quick node
+        # reads the real ones first and the run (rightly) goes on.
+        if wait_until(lambda: (tmp_path / "config-forged").exists(), 30):
+            joiners.append(nodes.start_joiner())
+
+    forging = threading.Thread(target=join_after_the_forgery)
     try:
-        joiner = nodes.start_joiner()
+        forging.start()
         with pytest.raises(RendezvousTimeoutError):
             nodes.launch(quiet_then_chatty, rdzv_timeout=8)
+        forging.join(30)
+        (joiner,) = joiners
         assert joiner.wait(30) == 2
     finally:
+        forging.join(30)
         attacker.close()
     assert "failed authentication" in joiner.output()
     assert not attacker.pwned
