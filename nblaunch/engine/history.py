@@ -118,7 +118,8 @@ class _Watcher:
 class EventHub:
     """The sink a run writes to when it may be watched by several views, or by none for a while.
 
-    Every event goes into a :class:`RunHistory` and on to each view that :meth:`watch`\\ es.
+    Every event goes into a :class:`RunHistory` (none with ``keep=False``: a hub whose views
+    all watch from its first event) and on to each view that :meth:`watch`\\ es.
     Thread-safe: the run's thread hands it events while a notebook cell adds a view. A view is
     called in the context it was added in (ipykernel sends a cell's output by that context), so
     what it displays appears in the cell that asked for it. A view that fails is dropped: a closed
@@ -126,7 +127,6 @@ class EventHub:
     """
 
     def __init__(self, history: RunHistory | None = None, *, keep: bool = True) -> None:
-        # keep=False: no history (a hub whose views all watch from its first event).
         self.history: RunHistory | None = (history or RunHistory()) if keep else None
         self.closed = False
         # Replaced, never changed in place: handle() loops over it without copying.
