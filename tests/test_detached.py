@@ -8,12 +8,12 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 from conftest import Kernel, wait_until
+from test_background import steps  # the same workload, run detached here
 
 import nblaunch
 from nblaunch.engine import detached
@@ -27,17 +27,6 @@ def registry(tmp_path, monkeypatch) -> Path:
     path = tmp_path / "detached"
     monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(path))
     return path
-
-
-def steps(count: int, pause_s: float, fail_rank: int | None = None) -> int:
-    import torch.distributed as dist
-
-    for i in range(count):
-        print(f"step {i}", flush=True)
-        time.sleep(pause_s)
-    if dist.get_rank() == fail_rank:
-        raise KeyError(f"no column {count} on rank {fail_rank}")
-    return dist.get_rank() + 100
 
 
 def processes_of(pid: int) -> list[psutil.Process]:
