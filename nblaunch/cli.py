@@ -75,7 +75,9 @@ def add_run_command(subparsers: Subparsers) -> None:
     )
     parser.add_argument("--debug", action="store_true", default=None, help="check collectives")
     parser.add_argument("--start-method", default=START_METHODS[0], choices=START_METHODS)
-    parser.add_argument("--device", choices=DEVICE_TYPES, default=None)
+    parser.add_argument(
+        "--device", default=None, metavar="TYPE", help=", ".join(DEVICE_TYPES) + ", or a plug-in's"
+    )
     parser.add_argument("--timeout", type=float, default=None, metavar="S")
     parser.add_argument("--hang-timeout", type=float, default=None, metavar="S")
     parser.add_argument("--log-level", default=None)

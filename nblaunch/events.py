@@ -40,7 +40,7 @@ class Started(TypedDict):
     rank: int
     pid: int
     host: str
-    device: str  # "cpu", "cuda:0", ...
+    device: str  # "cpu", "cuda:0", "xla:0 · TPU chip 3", ... (what the view's badge says)
 
 
 class Log(TypedDict):
@@ -277,6 +277,7 @@ class Setup(TypedDict):
     cwd: str
     mp_start_method: str
     backend: str
+    init_method: str | None  # "xla://" on TPUs; None: nblaunch's own store
     device_type: str
     init_process_group: bool
     debug: bool

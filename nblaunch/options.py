@@ -20,7 +20,10 @@ from nblaunch.errors import LaunchError
 # How ranks are started (see nblaunch.engine.supervisor): the first is the default.
 START_METHODS = ("forkserver", "spawn", "fork")
 # Kinds of device a rank can use; None (not listed) means "detect".
-DEVICE_TYPES = ("cuda", "cpu", "xla")
+# The device types nblaunch names in its help; any other torch knows (a PrivateUse1 plug-in's
+# name) is accepted too (check_device_type).
+DEVICE_TYPES = ("cuda", "cpu", "xla", "xpu", "npu", "hpu", "mps")
+DEVICE_TYPE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 # How the notebook may start the other nodes' join commands itself (nblaunch.cluster.node_start).
 START_NODES = ("ssh", "srun")
 # Where a run is shown: a widget in a notebook, text in a terminal, or nowhere.
@@ -136,6 +139,27 @@ def view_lines_from_env() -> int:
     return env_whole("NBLAUNCH_VIEW_LINES", VIEW_LINES, 1, "how many lines a view keeps per rank")
 
 
+def check_device_type(device_type: object) -> None:
+    """Refuse a ``device_type`` that cannot name a torch device type.
+
+    Raises
+    ------
+    LaunchError
+        Naming the known types; ``"tpu"`` and ``"gpu"`` are told their torch names.
+    """
+    if device_type in ("tpu", "gpu"):
+        torch_name = {"tpu": "xla", "gpu": "cuda"}[str(device_type)]
+        raise LaunchError(
+            f"device_type={device_type!r}: torch calls these devices {torch_name!r}; "
+            f"pass device_type={torch_name!r}"
+        )
+    if not isinstance(device_type, str) or not DEVICE_TYPE_NAME.match(device_type):
+        raise LaunchError(
+            f"device_type={device_type!r} is not a device type: use one of "
+            f"{', '.join(DEVICE_TYPES)}, or the name a plug-in registered with torch"
+        )
+
+
 def check_environment() -> None:
     """Check every ``NBLAUNCH_*`` setting a launch reads, so a bad value is named before
     anything starts (those read later, in the view or between cells, are then known good).
@@ -216,10 +240,8 @@ class LaunchOptions:
                 "monitor_interval must be a positive number of seconds, got "
                 f"{self.monitor_interval!r}"
             )
-        if self.device_type is not None and self.device_type not in DEVICE_TYPES:
-            raise LaunchError(
-                f"device_type={self.device_type!r} is not one of {', '.join(DEVICE_TYPES)}"
-            )
+        if self.device_type is not None:
+            check_device_type(self.device_type)
         for name in ("timeout", "hang_timeout"):
             value = getattr(self, name)
             if value is not None and not _positive_number(value):

@@ -15,7 +15,8 @@ from nblaunch.options import DEFAULT_RDZV_TIMEOUT_S, LaunchOptions, NodeOptions
     ("changes", "message"),
     [
         ({"start_method": "thread"}, "start_method='thread' is not one of forkserver, spawn, fork"),
-        ({"device_type": "tpu"}, "device_type='tpu' is not one of cuda, cpu, xla"),
+        ({"device_type": "tpu"}, "device_type='tpu': torch calls these devices 'xla'"),
+        ({"device_type": "CUDA:0"}, "device_type='CUDA:0' is not a device type: use one of cuda"),
         ({"timeout": 0}, "timeout must be a positive number of seconds or None, got 0"),
         ({"hang_timeout": True}, "hang_timeout must be a positive number"),
         ({"hang_timeout": "5"}, "hang_timeout must be a positive number"),

@@ -15,7 +15,8 @@ from typing import Any
 from nblaunch.cluster.channel import CONFIG_VERSION
 from nblaunch.cluster.network import Route, describe, route_to, socket_env
 from nblaunch.cluster.store import listen_on, parse_endpoint
-from nblaunch.engine.plan import LaunchPlan, detect_devices, plan_launch
+from nblaunch.engine.devices import detect_devices
+from nblaunch.engine.plan import LaunchPlan, plan_launch
 from nblaunch.errors import LaunchError
 from nblaunch.options import LaunchOptions, NodeOptions
 
@@ -106,7 +107,8 @@ def plan_for_joined_node(
         When this node lacks the devices the run needs.
     """
 
-    device_type, count, device_kind = detect_devices(config["device_type"])
+    devices = detect_devices(config["device_type"])
+    device_type, count, device_kind = devices.type, devices.count, devices.kind
     if device_type != "cpu" and config["nproc_per_node"] > count:
         raise LaunchError(
             f"the run needs {config['nproc_per_node']} {device_type.upper()} device(s) per node "

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nblaunch.engine import xla
+from nblaunch.engine.devices import detect_devices
 from nblaunch.engine.run_dirs import RunLease, new_run_dir
 from nblaunch.engine.supervisor import check_start_method
 from nblaunch.errors import LaunchError
 from nblaunch.events import SETUP, RunInfo, Setup
 from nblaunch.options import (
     DEFAULT_MONITOR_INTERVAL_S,
-    DEVICE_TYPES,
     FALSE_VALUES,
     LaunchOptions,
     check_environment,
@@ -71,6 +72,11 @@ class LaunchPlan:
     # (nblaunch.ranks.fingerprints, nblaunch.engine.checks); off under debug mode, which checks
     # before each call instead.
     checks: bool = False
+    # How the default group meets: "xla://" on TPUs (torch_xla's rendezvous, on nblaunch's
+    # store); None: nblaunch's store directly.
+    init_method: str | None = None
+    # The port of each rank's TPU runtime on this host (TPU_PROCESS_ADDRESSES); empty elsewhere.
+    runtime_ports: list[int] = field(default_factory=list)
     # The run's hold on run_dir while it lives, so that no pruning deletes it (run_dirs).
     run_lease: RunLease | None = field(default=None, repr=False, compare=False)
 
@@ -104,6 +110,8 @@ class LaunchPlan:
             # Without it Accelerate's state, and so Transformers' Trainer, looks for a GPU,
             # finds none and trains every rank alone (NOT_PARALLEL) despite the process group.
             env.setdefault("ACCELERATE_USE_CPU", "1")
+        if self.device_type == "xla":  # the PJRT runtime's layout: one chip per rank
+            env.update(xla.runtime_env(env, rank, self.world_size, self.runtime_ports))
         # The flight recorder names the collective a rank waits in (hang reports).
         process_groups.enable_flight_recorder(env)
         loopback = loopback_interface() if is_loopback(self.master_addr) else None
@@ -147,6 +155,7 @@ class LaunchPlan:
             # Linux, as under torchrun, not the forkserver that started the rank.
             "mp_start_method": multiprocessing.get_start_method(),
             "backend": self.backend,
+            "init_method": self.init_method,
             "device_type": self.device_type,
             "init_process_group": self.init_process_group,
             "debug": self.debug,
@@ -183,16 +192,20 @@ def plan_launch(
     check_environment()
     check_start_method(options.start_method)
     warnings: list[str] = []
-    device_type, device_count, device_kind = detect_devices(options.device_type)
+    devices = detect_devices(options.device_type)
+    device_type, device_count = devices.type, devices.count
     if num_processes is None:
+        num_processes = 1 if devices.one_rank_default else device_count
         if device_type == "cpu":
-            num_processes = 1
             warnings.append(
                 "no GPU found: running 1 CPU rank; pass num_processes=N (%%distributed -n N) "
                 "for more CPU ranks"
             )
-        else:
-            num_processes = device_count
+        elif devices.one_rank_default:
+            warnings.append(
+                f"{devices.kind}: running 1 rank; pass num_processes=N for N ranks, each with "
+                "an XLA device of its own"
+            )
     if isinstance(num_processes, bool) or not isinstance(num_processes, int):
         raise LaunchError(
             f"num_processes must be a whole number of ranks, got {num_processes!r} "
@@ -200,12 +213,12 @@ def plan_launch(
         )
     if num_processes < 1:
         raise LaunchError(f"num_processes must be at least 1, got {num_processes}")
-    if device_type != "cpu" and num_processes > device_count:
+    if not devices.one_rank_default and num_processes > device_count:
         raise LaunchError(
-            f"num_processes={num_processes} but only {device_count} {device_type.upper()} "
+            f"num_processes={num_processes} but only {device_count} {devices.kind} "
             f"device(s) are visible; use at most {device_count}, or device_type='cpu'"
         )
-    if device_type == "cpu":
+    if devices.one_rank_default:
         _check_cpu_ranks(num_processes, warnings)
     _check_working_directory()
     from nblaunch.engine.doctor import launch_warnings  # not at import: ~9 ms
@@ -213,13 +226,14 @@ def plan_launch(
     warnings += launch_warnings(device_type, num_processes)  # old kernel, mixed GPUs
     notes = _cpu_library_notes(device_type, num_processes, warnings)
     port = choose_port(options.master_addr, options.master_port)
-    backend = {"cuda": "nccl", "cpu": "gloo", "xla": "xla"}[device_type]
     run_dir, run_lease = new_run_dir(options.run_dir)
     debug = debug_from_env() if options.debug is None else bool(options.debug)
     return LaunchPlan(
         world_size=num_processes,
         device_type=device_type,
-        backend=backend,
+        backend=devices.backend,
+        init_method=devices.init_method,
+        runtime_ports=xla.runtime_ports(devices, num_processes, options.master_addr),
         start_method=options.start_method,
         master_addr=options.master_addr,
         master_port=port,
@@ -231,7 +245,7 @@ def plan_launch(
         log_level=options.log_level or log_level_from_env(),
         run_dir=run_dir,
         run_lease=run_lease,
-        device_kind=device_kind,
+        device_kind=devices.kind,
         warnings=warnings,
         notes=notes,
         # nblaunch.ranks.debugger reads it in the ranks (kept out of the options when off).
@@ -291,52 +305,6 @@ def _cpu_library_notes(device_type: str, num_processes: int, warnings: list[str]
             "CPU rank alone (NOT_PARALLEL); unset it to train on all ranks together"
         )
     return []
-
-
-def detect_devices(device_type: str | None) -> tuple[str, int, str]:
-    """Return (device type, how many, a name for the header).
-
-    On a machine without a GPU driver torch is not imported here: importing it in a notebook
-    costs a second (the forkserver imports it for the ranks anyway), and an interrupt in the
-    middle of it leaves the kernel's torch half imported.
-    """
-    if device_type is not None and device_type not in DEVICE_TYPES:
-        raise LaunchError(f"device_type={device_type!r} is not one of {', '.join(DEVICE_TYPES)}")
-    if device_type in (None, "cpu") and "torch" not in sys.modules and not _gpu_driver_present():
-        return "cpu", os.cpu_count() or 1, "CPU"
-    import torch
-
-    if device_type in (None, "xla") and _xla_available():
-        import torch_xla.runtime as xr  # type: ignore[import-not-found]
-
-        return "xla", int(xr.global_runtime_device_count()), "XLA"
-    if device_type == "xla":
-        raise LaunchError("device_type='xla' but torch_xla cannot be imported; install torch_xla")
-    # device_count() asks NVML and does not initialise CUDA, so fork stays possible.
-    count = torch.cuda.device_count() if device_type in (None, "cuda") else 0
-    if count:
-        return (
-            "cuda",
-            count,
-            torch.cuda.get_device_name(0) if torch.cuda.is_initialized() else "GPU",
-        )
-    if device_type == "cuda":
-        raise LaunchError("device_type='cuda' but no CUDA device is visible to torch")
-    return "cpu", os.cpu_count() or 1, "CPU"
-
-
-def _gpu_driver_present() -> bool:
-    """Whether a GPU driver torch could use is loaded (NVIDIA's or ROCm's), read from the
-    system without importing torch."""
-    return any(
-        os.path.exists(path) for path in ("/proc/driver/nvidia/gpus", "/dev/nvidiactl", "/dev/kfd")
-    )
-
-
-def _xla_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torch_xla") is not None
 
 
 @functools.lru_cache(maxsize=16)

@@ -215,7 +215,7 @@ class Supervisor:
             daemon=False,
         )
         try:
-            with _main_module_hidden():
+            with main_module_hidden():
                 process.start()
         finally:
             for end in (child_conn, stdout_w, stderr_w):
@@ -380,7 +380,7 @@ def main_module_has_source() -> bool:
 
 
 @contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
+def main_module_hidden() -> Iterator[None]:
     """Keep ``spawn``/``forkserver`` children from re-running the caller's main script.
 
     multiprocessing re-imports ``__main__`` by path in every child it prepares. A script that

@@ -106,7 +106,10 @@ def notebook_launcher(
     setup_process_group
         Initialise the default process group before ``function`` runs (and destroy it after).
     device_type
-        ``"cuda"``, ``"cpu"`` or ``"xla"``; default: what this machine has.
+        ``"cuda"``, ``"cpu"``, ``"xla"`` (TPUs, or XLA's CPU runtime with ``PJRT_DEVICE=CPU``),
+        or any device type torch knows (``"xpu"``, ``"npu"``, ``"hpu"``, a plug-in's, imported
+        in every rank from ``NBLAUNCH_DEVICE_MODULES``); default: what this machine has. Each
+        rank owns the device of its local rank (see docs/devices.md).
     run_dir
         Where per-rank logs go (default ``.nblaunch/runs/<time>-<id>``).
     display
@@ -242,8 +245,6 @@ def notebook_launcher(
     from nblaunch.notebook.views import choose_view  # not at import: ~12 ms
 
     if background:
-        if plan.device_type == "xla":
-            raise LaunchError("XLA devices run blocking launches only: leave block/detach out")
         from nblaunch.notebook.handle import launch_in_background
 
         name = getattr(function, "__qualname__", type(function).__name__)
@@ -252,8 +253,6 @@ def notebook_launcher(
         )
     # A live widget is deferred: a quick launch shows its summary.
     view = choose_view(display, **views)
-    if plan.device_type == "xla":
-        return _launch_xla(plan, payload)
     try:
         return Run(plan, view).execute(payload)
     finally:
@@ -289,22 +288,3 @@ def debug_launcher(function: Any, args: tuple[Any, ...] = (), num_processes: int
     return notebook_launcher(
         function, args, num_processes, device_type="cpu", debug=True, display="auto"
     )
-
-
-# --- TPU-like devices ----------------------------------------------------------------------------
-
-
-def _launch_xla(plan: LaunchPlan, payload: bytes) -> list[Any]:  # pragma: no cover - needs XLA
-    """Run on XLA devices through torch_xla's own spawn, which owns device placement there."""
-    import cloudpickle
-    import torch_xla.distributed.xla_multiprocessing as xmp  # type: ignore[import-not-found]
-
-    results = xmp.spawn(_xla_trampoline, args=(payload,), start_method="fork")
-    return [cloudpickle.loads(r) for r in results] if results else []
-
-
-def _xla_trampoline(index: int, payload: bytes) -> bytes:  # pragma: no cover - needs XLA
-    import cloudpickle
-
-    function, args, kwargs = cloudpickle.loads(payload)
-    return cloudpickle.dumps(function(*args, **kwargs))

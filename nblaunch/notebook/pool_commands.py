@@ -33,7 +33,12 @@ def _start_parser(prog: str) -> Any:
     parser.add_argument("--start-method", choices=START_METHODS, default=None)
     parser.add_argument("--log-level", default=None, metavar="LEVEL")
     parser.add_argument("--hang-timeout", type=float, default=None, metavar="S")
-    parser.add_argument("--device-type", choices=DEVICE_TYPES, default=None)
+    parser.add_argument(
+        "--device-type",
+        default=None,
+        metavar="TYPE",
+        help=", ".join(DEVICE_TYPES) + ", or a plug-in's",
+    )
     parser.add_argument(
         "--nodes",
         dest="num_nodes",

@@ -45,7 +45,8 @@ class _Shared:
     rank: int
     world_size: int
     device: Any  # torch.device of this rank
-    backend: str  # nblaunch's choice: "gloo" on CPU ranks, "nccl" on CUDA ranks
+    backend: str  # nblaunch's choice: "gloo" on CPU ranks, "nccl" on CUDA ranks, "xla" on TPUs
+    init_method: str | None = None  # "xla://": torch_xla's rendezvous (on this store) decides
     generation: int = 0  # groups made so far
     group: Any = None  # the last default group made here
     timeout: datetime.timedelta | None = None  # the timeout it was asked for, if any
@@ -55,11 +56,19 @@ _shared: _Shared | None = None
 _original_init: Any = None
 
 
-def set_up(store: Any, rank: int, world_size: int, device: Any, backend: str) -> None:
-    """Make nblaunch's default group on ``store`` and take over ``init_process_group``."""
+def set_up(
+    store: Any,
+    rank: int,
+    world_size: int,
+    device: Any,
+    backend: str,
+    init_method: str | None = None,
+) -> None:
+    """Make nblaunch's default group on ``store`` (through ``init_method`` when given) and
+    take over ``init_process_group``."""
     global _shared
     _install()
-    _shared = _Shared(store, rank, world_size, device, backend)
+    _shared = _Shared(store, rank, world_size, device, backend, init_method)
     _make(backend, device_id=_default_device_id())
 
 
@@ -180,20 +189,24 @@ def _make(
         options["timeout"] = timeout
     if pg_options is not None:
         options["pg_options"] = pg_options
+    if shared.init_method is not None:  # it names rank and world size itself
+        meeting = {"init_method": shared.init_method}
+    else:
+        meeting = {"store": store, "rank": shared.rank, "world_size": shared.world_size}
     try:
-        _original_init(
-            backend=backend,
-            store=store,
-            rank=shared.rank,
-            world_size=shared.world_size,
-            device_id=device_id,
-            **options,
-        )
+        _original_init(backend=backend, device_id=device_id, **meeting, **options)
     except RuntimeError as exc:
         hint = connect_hint(str(exc), shared.rank)
         if hint:
             exc.add_note(hint)
         raise
+    if (dist.get_rank(), dist.get_world_size()) != (shared.rank, shared.world_size):
+        raise RuntimeError(
+            f"{_where(shared)}: init_method={shared.init_method!r} made this process rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}; the runtime's layout does not match "
+            "nblaunch's ranks (TPU_VISIBLE_CHIPS, CLOUD_TPU_TASK_ID): unset the TPU_* "
+            "variables in the notebook and launch again"
+        )
     shared.group = GroupMember.WORLD
     shared.timeout = timeout
 

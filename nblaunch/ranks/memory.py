@@ -31,6 +31,8 @@ OOM_MESSAGES = (
     "DefaultCPUAllocator: can't allocate memory",  # CPU tensors, Linux/macOS
     "DefaultCPUAllocator: not enough memory",  # CPU tensors, Windows
     "can NOT allocate memory block with size larger than",  # Intel GPUs, per-block limit
+    "HPU out of memory",  # Habana Gaudi
+    "RESOURCE_EXHAUSTED: Out of memory",  # XLA (TPU HBM)
 )
 
 
@@ -63,6 +65,11 @@ def _is_out_of_memory_one(exc: BaseException) -> bool:
     if not isinstance(exc, Exception):
         return False
     text = str(exc)
+    context = worker.current()
+    # A plug-in's allocator says so in torch's words: "<TYPE> out of memory".
+    kind = context.device.type if context is not None else "cpu"
+    if kind not in ("cpu", "cuda") and f"{kind.upper()} out of memory" in text:
+        return True
     return any(message in text for message in OOM_MESSAGES)
 
 
@@ -88,14 +95,19 @@ def free_memory(*objects: Any) -> list[None]:
 
 
 def empty_device_caches() -> None:
-    """Give cached, unused device memory back to the device (CUDA, XPU, NPU, MPS)."""
+    """Give cached, unused device memory back to the device (CUDA, XPU, NPU, MPS, this rank's
+    accelerator when its device module can)."""
     torch = sys.modules.get("torch")
     if torch is None:  # nothing was ever allocated through torch
         return
     with contextlib.suppress(Exception):
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-    for name in ("xpu", "npu", "mps"):
+    context = worker.current()
+    names = ["xpu", "npu", "mps"]
+    if context is not None and context.device.type not in ("cpu", "cuda", "xla", *names):
+        names.append(context.device.type)  # a plug-in's (hpu, a PrivateUse1 name)
+    for name in names:
         backend = getattr(torch, name, None)
         with contextlib.suppress(Exception):
             if backend is not None and backend.is_available():

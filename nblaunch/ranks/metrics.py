@@ -17,7 +17,7 @@ from typing import Any
 from nblaunch.ranks import worker
 
 # Added by log_metrics on CUDA ranks: peak allocated device memory, GiB.
-CUDA_PEAK = "cuda peak GiB"
+CUDA_PEAK = "cuda peak GiB"  # "<device type> peak GiB" on other accelerators that count
 
 _steps: dict[int, int] = {}  # rank -> next automatic step, inside a rank
 _too_large: set[str] = set()  # metric names already said to be too large for a float
@@ -61,10 +61,12 @@ def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
             found[str(name)] = number
     if not found:
         return
-    if context.device.type == "cuda":  # a leaking or heavier rank shows at a glance
-        import torch
+    if context.device.type not in ("cpu", "xla"):  # a leaking or heavier rank shows at a glance
+        from nblaunch.ranks import devices
 
-        found[CUDA_PEAK] = torch.cuda.max_memory_allocated(context.device) / 2**30
+        peak = devices.peak_memory_bytes(context.device)
+        if peak is not None:
+            found[f"{context.device.type} peak GiB"] = peak / 2**30
     if step is None:
         step = _steps.get(context.rank, 0)
     _steps[context.rank] = int(step) + 1

@@ -43,8 +43,11 @@ def rank_info() -> dict[str, Any]:
         "pid": os.getpid(),
         "rss_mb": psutil.Process().memory_info().rss / 2**20,
     }
-    if device.type == "cuda":
-        info["device_mb"] = torch.cuda.memory_allocated(device) / 2**20
+    if device.type not in ("cpu", "xla"):
+        from nblaunch.ranks import devices
+
+        allocated = devices.allocated_bytes(device)
+        info["device_mb"] = None if allocated is None else allocated / 2**20
     info["names"] = sorted(
         name for name in _namespace if not name.startswith("_") and name not in INJECTED_NAMES
     )

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nblaunch.events import SETUP, STOP, Event
-from nblaunch.ranks import containment
+from nblaunch.ranks import containment, devices, xla
 from nblaunch.ranks.failure import failure_event
 
 # After a rank hung up, how long its exit may wait for threads the user's code left running.
@@ -256,11 +256,12 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
 
         multiprocessing.set_start_method(setup["mp_start_method"], force=True)
     try:
+        devices.import_device_modules()  # accelerator plug-ins, before torch picks a device
         import torch
 
         if setup.get("num_threads"):
             torch.set_num_threads(setup["num_threads"])
-        device = _pick_device(setup["device_type"], int(os.environ["LOCAL_RANK"]))
+        device, badge = _pick_device(setup["device_type"], int(os.environ["LOCAL_RANK"]))
         _context = RankContext(
             rank=rank,
             local_rank=int(os.environ["LOCAL_RANK"]),
@@ -277,12 +278,12 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
             from nblaunch.ranks import default_group
 
             # Also takes over init_process_group, so code that makes its own group works.
+            store = _rendezvous_store(rank, _context.world_size)
+            init_method = setup.get("init_method")
+            if init_method == "xla://":
+                xla.use_launcher_store()
             default_group.set_up(
-                _rendezvous_store(rank, _context.world_size),
-                rank,
-                _context.world_size,
-                device,
-                setup["backend"],
+                store, rank, _context.world_size, device, setup["backend"], init_method
             )
     except BaseException as exc:
         emit(failure_event(rank, exc))
@@ -294,7 +295,7 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
             "rank": rank,
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "device": str(device),
+            "device": badge,
         }
     )
     return True
@@ -339,17 +340,16 @@ def import_features(names: tuple[str, ...] = RANK_FEATURES) -> None:
                 raise
 
 
-def _pick_device(device_type: str, local_rank: int) -> Any:
+def _pick_device(device_type: str, local_rank: int) -> tuple[Any, str]:
+    """This rank's device, pinned, and what the view's badge says of it."""
     import torch
 
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+    if device_type == "cpu":
+        return torch.device("cpu"), "cpu"
     if device_type == "xla":
-        import torch_xla.core.xla_model as xm  # type: ignore[import-not-found]
-
-        return xm.xla_device()
-    return torch.device("cpu")
+        return xla.set_up()
+    device = devices.pin(device_type, local_rank)
+    return device, str(device)
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
@@ -384,7 +384,10 @@ def _run_task(message: dict[str, Any]) -> None:
             _in_task = True
             exited = False
             try:
-                value = function(*args, **kwargs)
+                if _context.device.type == "xla":  # a v2/v3 chip: a thread on each core
+                    value = xla.call_on_each_core(function, args, kwargs)
+                else:
+                    value = function(*args, **kwargs)
             except SystemExit as exit_:
                 if exit_.code not in (None, 0):
                     raise  # a failure, reported below
@@ -444,13 +447,16 @@ def world_size() -> int:
 
 
 def device() -> Any:
-    """The ``torch.device`` of this rank: ``cuda:<local_rank>`` on GPUs, else CPU."""
+    """The ``torch.device`` of this rank: the accelerator device of its ``LOCAL_RANK``
+    (``cuda:1``, ``xpu:1``, ``xla:0`` on its TPU chip), else CPU."""
     import torch
 
     if _context:
         return _context.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank())
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    if current is not None:
+        return torch.device(current.type, local_rank())
     return torch.device("cpu")
 
 
