@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch, installed first so no requirement pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast test-browser screenshots lint bench install clean
+.PHONY: demo test test-fast test-browser test-xla screenshots lint bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,23 @@ test-fast: install
 test-browser: install
 	$(PY) -m pytest -q -m browser
 
+# The real torch_xla on its CPU runtime (PJRT_DEVICE=CPU), in a venv of its own: torch_xla 2.9
+# needs torch 2.9, and pip takes a CUDA build of it here (7.1 GB, 2.5 min to install; see
+# docs/devices.md). Not part of `make test`.
+VENV_XLA := .venv-xla
+TORCH_XLA ?= torch_xla==2.9.0
+TORCH_FOR_XLA ?= torch==2.9.1
+
+$(VENV_XLA)/.installed: pyproject.toml
+	test -x $(VENV_XLA)/bin/python || $(PYTHON) -m venv $(VENV_XLA)
+	$(VENV_XLA)/bin/pip install -q --upgrade pip
+	$(VENV_XLA)/bin/pip install -q "$(TORCH_FOR_XLA)" "$(TORCH_XLA)"
+	$(VENV_XLA)/bin/pip install -q -e . "pytest>=8" "pytest-timeout>=2.3"
+	touch $@
+
+test-xla: $(VENV_XLA)/.installed
+	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q tests/xla
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -44,4 +61,4 @@ bench: install
 	for b in benchmarks/bench_*.py; do echo "### $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .nblaunch .pytest_cache
+	rm -rf $(VENV) $(VENV_XLA) .nblaunch .pytest_cache

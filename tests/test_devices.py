@@ -97,17 +97,21 @@ def test_a_device_type_no_plugin_provides_is_refused_before_anything_starts(monk
 # --- XLA -----------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tpu_vm(monkeypatch, tmp_path):
-    """Two v5e chips on a PCI bus in a temporary directory, and the stand-in torch_xla."""
-    for index, (vendor, device) in enumerate(
-        [("0x1ae0", "0x0063"), ("0x8086", "0x0063"), ("0x1ae0", "0x0063")]
-    ):
-        chip = tmp_path / "pci" / f"0000:00:0{index}.0"
+def _pci_bus(root: Path, chips: list[tuple[str, str]]) -> str:
+    for index, (vendor, device) in enumerate(chips):
+        chip = root / f"0000:00:0{index}.0"
         chip.mkdir(parents=True)
         (chip / "vendor").write_text(vendor + "\n")
         (chip / "device").write_text(device + "\n")
-    monkeypatch.setattr(engine_devices, "PCI_DEVICES", str(tmp_path / "pci"))
+    return str(root)
+
+
+@pytest.fixture
+def tpu_vm(monkeypatch, tmp_path):
+    """Two v5e chips (and a device of another vendor) on a PCI bus in a temporary directory,
+    and the stand-in torch_xla."""
+    chips = [("0x1ae0", "0x0063"), ("0x8086", "0x0063"), ("0x1ae0", "0x0063")]
+    monkeypatch.setattr(engine_devices, "PCI_DEVICES", _pci_bus(tmp_path / "pci", chips))
     monkeypatch.syspath_prepend(str(DEVICES))
     for name in ("PJRT_DEVICE", "TPU_PROCESS_BOUNDS", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_ADDRESSES"):
         monkeypatch.delenv(name, raising=False)
@@ -170,6 +174,28 @@ def test_an_initialised_xla_runtime_in_the_kernel_is_refused_before_anything_sta
     monkeypatch.setitem(sys.modules, "torch_xla", types.SimpleNamespace(_XLAC=started))
     with pytest.raises(LaunchError, match="XLA runtime is already initialised.*Restart the kernel"):
         notebook_launcher(_on_xla, device_type="xla", display="none")
+
+
+def test_a_v3_8_host_is_four_ranks_of_two_cores_in_a_two_by_two_grid(tpu_vm, tmp_path, monkeypatch):
+    v3 = _pci_bus(tmp_path / "v3", [("0x1ae0", "0x0027")] * 4)
+    monkeypatch.setattr(engine_devices, "PCI_DEVICES", v3)
+    plan = plan_launch(_on_xla, None, LaunchOptions(device_type="xla"))
+    # The chips' processes meet in gloo: xla:// would make each core a rank.
+    assert (plan.world_size, plan.device_kind, plan.backend, plan.init_method) == (
+        4,
+        "TPU v2/v3",
+        "gloo",
+        None,
+    )
+    env = plan.rank_env(3)
+    assert (env["TPU_PROCESS_BOUNDS"], env["TPU_VISIBLE_CHIPS"], env["CLOUD_TPU_TASK_ID"]) == (
+        "2,2,1",
+        "3",
+        "3",
+    )
+    assert env["TPU_PROCESS_PORT"] == str(plan.runtime_ports[3])
+    monkeypatch.setenv("TPU_PROCESS_BOUNDS", "1,4,1")  # a layout set in the notebook is kept
+    assert plan.rank_env(3)["TPU_PROCESS_BOUNDS"] == "1,4,1"
 
 
 def test_a_v2_v3_chip_runs_the_function_on_each_core_in_a_thread(monkeypatch):

@@ -166,14 +166,12 @@ def _xla() -> Devices:
     chips = tpu_chips()
     if chips and runtime in ("", "TPU"):
         generation, cores = TPU_DEVICE_IDS[chips[0]]
-        return Devices(
-            "xla",
-            len(chips),
-            f"TPU {generation}",
-            "xla",
-            init_method="xla://",
-            cores_per_chip=cores,
-        )
+        if cores > 1:
+            # v2/v3: torch_xla's xla:// makes each core a rank of the group, but an nblaunch
+            # rank is a chip's process with a thread per core; the chips' processes meet in a
+            # gloo group, and the cores reduce with torch_xla's own collectives (xm.all_reduce).
+            return Devices("xla", len(chips), f"TPU {generation}", "gloo", cores_per_chip=cores)
+        return Devices("xla", len(chips), f"TPU {generation}", "xla", init_method="xla://")
     if runtime == "CPU":
         # XLA's CPU client runs one process alone (no runtime across processes): each rank
         # computes on its own XLA device, and the ranks meet in a gloo group.

@@ -29,7 +29,7 @@ PROCESS_BOUNDS = {1: "1,1,1", 2: "2,1,1", 4: "2,2,1", 8: "2,4,1"}
 def runtime_ports(devices: Devices, num_processes: int, address: str) -> list[int]:
     """A free port for each rank's TPU runtime on this host (torch_xla: 8476 and up, fixed;
     free ones let a second run, or a stale process, not collide). Empty off TPUs."""
-    if devices.type != "xla" or devices.init_method is None:
+    if devices.type != "xla" or devices.one_rank_default:  # XLA's CPU runtime has none
         return []
     probes = []
     try:
