@@ -122,6 +122,7 @@ def test_report_names_versions_machine_and_start_methods():
         f"CPUs        {os.cpu_count()}",
         "RAM",
         "CUDA initialised in this process: no",
+        "backend per device type: cpu gloo, cuda nccl",
         "safe start methods: forkserver, spawn, fork",
         "mpirun",
     ):

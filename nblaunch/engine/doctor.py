@@ -1,8 +1,9 @@
 """The environment doctor: a report to paste into a bug report, and warnings before a launch.
 
 :func:`report` is what ``nblaunch env`` and ``%dist env`` print: versions, OS and kernel, CPUs and
-RAM, each accelerator with its name and memory, whether CUDA is already initialised in this
-process and which start methods are therefore safe. :func:`launch_warnings` is what a launch adds
+RAM, each accelerator with its name and memory, TPU chips, torch.distributed's backend for each
+device type, whether CUDA or the XLA runtime is already initialised in this process and which
+start methods are therefore safe. :func:`launch_warnings` is what a launch adds
 to its header: a Linux kernel older than 5.5, GPUs of different models or memory sizes.
 The check of a hostfile's hosts over ssh is :mod:`nblaunch.cluster.hosts`; the front ends print
 its report after this one.
@@ -25,9 +26,12 @@ import subprocess
 import sys
 from typing import Any
 
+from nblaunch.engine import devices
+from nblaunch.errors import LaunchError
+
 # Kernels before this have been reported to hang distributed runs (Accelerate warns as well).
 MIN_KERNEL = (5, 5)
-PACKAGES = ("torch", "ipykernel", "ipywidgets", "cloudpickle", "accelerate")
+PACKAGES = ("torch", "torch_xla", "ipykernel", "ipywidgets", "cloudpickle", "accelerate")
 GIB = 1 << 30
 
 
@@ -279,6 +283,7 @@ def collect() -> dict[str, Any]:
     torch = _torch(import_it=True)
     builds = {}
     backends = []
+    per_device: dict[str, str] = {}
     if torch is not None:
         builds["CUDA"] = torch.version.cuda
         builds["ROCm"] = getattr(torch.version, "hip", None)
@@ -288,6 +293,7 @@ def collect() -> dict[str, Any]:
             if dist.is_available():
                 names = ("gloo", "nccl", "mpi", "ucc")
                 backends = [n for n in names if getattr(dist, f"is_{n}_available", lambda: 0)()]
+                per_device = dict(dist.Backend.default_device_backend_map)
     memory = psutil.virtual_memory()
     try:
         usable_cpus = len(os.sched_getaffinity(0))
@@ -305,6 +311,10 @@ def collect() -> dict[str, Any]:
         "ram_total": memory.total,
         "ram_available": memory.available,
         "accelerators": gpus,
+        "tpu_chips": devices.tpu_chips(),
+        "backend_per_device": per_device,
+        "device_modules": os.environ.get(devices.MODULES_ENV),
+        "xla_initialized": _xla_initialized(),
         "mps": _mps_available(torch),
         "cuda_initialized": _cuda_initialized(),
         "start_methods": safe_start_methods(),
@@ -341,8 +351,20 @@ def report() -> str:
         lines.append("  GPUs        Apple MPS")
     else:
         lines.append("  GPUs        none (ranks run on CPU with gloo)")
+    chips = facts["tpu_chips"]
+    if chips:
+        generations = sorted({devices.TPU_DEVICE_IDS[chip][0] for chip in chips})
+        lines.append(f"  TPU chips   {len(chips)} ({', '.join(generations)}, on the PCI bus)")
+    if facts["backend_per_device"]:
+        pairs = ", ".join(f"{k} {v}" for k, v in facts["backend_per_device"].items())
+        lines.append(f"  backend per device type: {pairs}")
+    if facts["device_modules"]:
+        lines.append(f"  {devices.MODULES_ENV}={facts['device_modules']} (imported by every rank)")
     initialized = "yes" if facts["cuda_initialized"] else "no"
     lines.append(f"  CUDA initialised in this process: {initialized}")
+    if facts["xla_initialized"] is not None:
+        xla = "yes: restart before launching on XLA" if facts["xla_initialized"] else "no"
+        lines.append(f"  XLA runtime initialised in this process: {xla}")
     lines.append(f"  safe start methods: {', '.join(facts['start_methods'])}")
     lines.append(f"  mpirun      {facts['mpirun'] or 'not found on PATH'}")
     if facts["warnings"]:
@@ -376,6 +398,17 @@ def _cuda_initialized() -> bool:
     from nblaunch.engine.supervisor import cuda_initialized
 
     return cuda_initialized()
+
+
+def _xla_initialized() -> bool | None:
+    """Whether this process started the XLA runtime; None when torch_xla is not imported."""
+    if "torch_xla" not in sys.modules:
+        return None
+    try:
+        devices.refuse_initialised_xla_runtime()
+    except LaunchError:
+        return True
+    return False
 
 
 def _mps_available(torch: Any) -> bool:
