@@ -7,7 +7,10 @@ real torch_xla on its CPU runtime is ``make test-xla`` (tests/xla/), outside thi
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -21,7 +24,8 @@ from nblaunch.engine.run import Run
 from nblaunch.notebook.views.recording import RecordingView
 from nblaunch.options import LaunchOptions
 
-DEVICES = Path(__file__).resolve().parent / "devices"
+ROOT = Path(__file__).resolve().parent.parent
+DEVICES = ROOT / "tests" / "devices"
 
 
 @pytest.fixture
@@ -84,6 +88,33 @@ def test_a_plugin_accelerator_gets_one_pinned_device_per_rank_and_its_backend(fa
 
     with pytest.raises(LaunchError, match="num_processes=3 but only 2 Fake Accelerator"):
         notebook_launcher(_on_the_accelerator, num_processes=3, device_type="fakeacc")
+
+
+def test_counting_a_plugins_devices_and_tpu_chips_imports_no_torch_here(tmp_path):
+    # The kernel must not import torch to launch (test_launcher's first-launch test, for CPU).
+    pci = _pci_bus(tmp_path / "pci", [("0x1ae0", "0x006f")] * 4)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from nblaunch.engine import devices
+        devices.PCI_DEVICES = {pci!r}
+        xla, plugin = devices.detect_devices("xla"), devices.detect_devices("fakeacc")
+        print(xla.count, xla.kind, plugin.count, plugin.kind, "torch" in sys.modules)
+        """
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(DEVICES)]),
+        "NBLAUNCH_DEVICE_MODULES": "fake_accelerator",
+        "NBLAUNCH_PRESTART": "0",
+    }
+    env.pop("PJRT_DEVICE", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.split() == ["4", "TPU", "v6e", "2", "Fake", "Accelerator", "False"], (
+        out.stdout + out.stderr
+    )
 
 
 def test_a_device_type_no_plugin_provides_is_refused_before_anything_starts(monkeypatch):
