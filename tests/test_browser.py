@@ -314,9 +314,9 @@ def test_a_background_run_s_view_comes_back_after_a_page_reload(background_noteb
             ranks = page.locator(".nbl-root .nbl-ranks")
             expect(ranks).to_contain_text("rank 1 · RUNNING", timeout=120_000)
             _run_cell(page, 2)  # runs at once: the launch does not hold the kernel
-            expect(page.locator(".jp-OutputArea-output", has_text="42")).to_be_visible(
-                timeout=30_000
-            )
+            # The cell's own result, not the run's view (whose lines may hold a "42" too).
+            answer = page.locator("[data-mime-type='text/plain']", has_text=re.compile(r"^42$"))
+            expect(answer).to_be_visible(timeout=30_000)
             expect(ranks).to_contain_text("RUNNING")
             page.wait_for_timeout(1500)
             cell = page.locator(".jp-Cell", has=page.locator(".nbl-root"))
