@@ -128,8 +128,8 @@ class Releaser:
             return self.problem
         ranks = ", ".join(map(str, pending))
         return (
-            f"rank(s) {ranks} wait in no collective the checks saw (a point-to-point send or "
-            "recv, or code outside torch.distributed)"
+            f"no collective call the checks recorded holds rank(s) {ranks}: a point-to-point "
+            "send or recv, or a wait outside torch.distributed, cannot be released"
         )
 
 
