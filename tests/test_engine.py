@@ -36,6 +36,8 @@ from nblaunch.events import RunState
 from nblaunch.notebook.pool import Pool, PoolState
 from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
 from nblaunch.notebook.views import RecordingView
+from nblaunch.notebook.views.model import RunModel
+from nblaunch.notebook.views.summary import summary_bundle
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks.batch_size import RESTART_OPTION
 
@@ -295,9 +297,16 @@ def test_a_pool_that_lost_a_rank_refuses_the_next_cell_at_once():
 
     pool, _ = start_scripted_pool(behaviour)
     try:
+        view = RecordingView()
         with pytest.raises(Exception, match="rank 1") as caught:
-            pool.run(train)
+            pool.run_payload(serialize_payload(train, ()), view=view)
         assert "The pool lost rank 1" in "\n".join(getattr(caught.value, "__notes__", []))
+        # Fault sweep case 11: the rank the pool stopped read "RUNNING · stopped".
+        model = RunModel()
+        for event in view.events:
+            model.handle(event)
+        assert model.state(0) is RunState.STOPPED
+        assert summary_bundle(model)["text/plain"].splitlines()[1] == "  rank 0: STOPPED · stopped"
         assert pool.state is PoolState.BROKEN
         with pytest.raises(LaunchError, match="the pool cannot run cells"):
             pool.run(train)

@@ -29,6 +29,8 @@ from nblaunch.notebook.pool_release import Releaser
 INTERRUPT_WAIT_S = 3.0
 # A task whose results all arrived: how long to wait for each rank's closing "finished" event.
 FINISH_WAIT_S = 2.0
+# Badges of a rank still at work.
+_LIVE_STATES = (RunState.STARTING, RunState.RUNNING, RunState.DEBUGGING, RunState.STALLED)
 
 
 class AfterTask(enum.Enum):
@@ -219,13 +221,20 @@ def run_task(
     lost, pending = lost_ranks(run), pending_ranks(run)
     why = releaser.why(pending) if pending else ""
     end = decide_task_end(lost, pending, guard.where(pending), describe_node, why)
+    # No rank's badge may still say it runs once the task is over (a pool that lost a rank
+    # stops the others without a word from them: they read "RUNNING · stopped" before).
     if end.after is AfterTask.RESTART:
-        for rank in pending:
-            run.set_state(rank, RunState.STOPPED, "did not stop; the pool was restarted")
-    elif end.after is AfterTask.READY:
-        for rank in run.task_ranks:
-            if rank not in run.outcome.results and run.states.get(rank) is RunState.RUNNING:
-                run.set_state(rank, RunState.STOPPED, "interrupted")
+        why_stopped = "did not stop; the pool was restarted"
+    elif end.after is AfterTask.BROKEN:
+        why_stopped = "stopped: the " + end.note.split(":")[0].removeprefix("The ")
+    else:
+        why_stopped = "interrupted"
+    for rank in run.task_ranks:
+        still = run.states.get(rank) in _LIVE_STATES or (
+            end.after is AfterTask.RESTART and rank in pending
+        )
+        if still and rank not in run.outcome.results:
+            run.set_state(rank, RunState.STOPPED, why_stopped)
     ok = (
         run.outcome.root is None
         and not interrupted
