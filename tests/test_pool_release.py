@@ -15,13 +15,13 @@ from conftest import rank_children, wait_until
 from nblaunch import PoolRestartedError
 from nblaunch.engine.checks import owed_calls
 from nblaunch.notebook.pool import PoolState, start_pool
-from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S
 from nblaunch.ranks.namespace import rank_namespace
 
 
 @pytest.fixture(scope="module")
 def pool():
-    pool = start_pool(2, device_type="cpu", display="none")
+    # A release that left the ranks out of step would stall the next cell: a hang in 10 s.
+    pool = start_pool(2, device_type="cpu", display="none", hang_timeout=10)
     yield pool
     pool.close()
     assert wait_until(lambda: not rank_children(), timeout=5)
@@ -57,7 +57,6 @@ def leave_while_the_peer_waits(op: str, root: int):
     world = dist.get_world_size()
     calls = {
         "all_reduce": lambda: dist.all_reduce(t),
-        "all_reduce max": lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX),
         "broadcast": lambda: dist.broadcast(t, src=root),
         "reduce": lambda: dist.reduce(t, dst=root),
         "all_gather": lambda: dist.all_gather([torch.empty_like(t) for _ in range(world)], t),
@@ -90,19 +89,14 @@ def make_a_subgroup():
 
 OPS = [
     ("all_reduce", 0),
-    ("all_reduce max", 0),
     ("broadcast", 0),  # the rank that left is the root: its zeros reach the peer
     ("broadcast", 1),
-    ("reduce", 0),
     ("reduce", 1),
     ("all_gather", 0),
     ("all_gather_into_tensor", 0),
-    ("gather", 0),
     ("gather", 1),
     ("scatter", 0),
-    ("scatter", 1),
     ("barrier", 0),
-    ("broadcast_object_list", 0),
     ("broadcast_object_list", 1),
     ("all_gather_object", 0),
     ("nblaunch.all_reduce", 0),
@@ -185,16 +179,19 @@ def rank_one_waits_in_recv():
     dist.recv(torch.ones(1), src=0)
 
 
-def test_a_peer_nothing_can_release_gets_the_pool_restarted_and_the_error_says_so_first(pool):
+def test_a_peer_nothing_can_release_gets_the_pool_restarted_and_the_error_says_so_first(
+    pool, monkeypatch
+):
+    monkeypatch.setattr("nblaunch.notebook.pool_task.INTERRUPT_WAIT_S", 1.0)  # 3 s otherwise
     pool.run(keep_a_model)
     old = pool.pids
     began = time.monotonic()
     with pytest.raises(PoolRestartedError) as info:
         pool.run(rank_one_waits_in_recv)
-    assert time.monotonic() - began < INTERRUPT_WAIT_S + 8.0
+    assert time.monotonic() - began < 1.0 + 8.0
     first = str(info.value).splitlines()[0]
     assert first.startswith("The pool was restarted, so the names from earlier cells are gone")
-    assert "rank(s) 1 did not stop within 3 s" in first
+    assert "rank(s) 1 did not stop within 1 s" in first
     assert "no collective call the checks recorded holds rank(s) 1: a point-to-point" in first
     assert "The cell's own error is above: ValueError: rank 0 leaves the recv" in str(info.value)
     assert isinstance(info.value.__cause__, ValueError)
