@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -221,20 +222,34 @@ class _VerifiedGradientHook:
     in place of the default all-reduce.
     """
 
-    def __init__(self, process_group: Any) -> None:
+    def __init__(self, process_group: Any, model: Any = None) -> None:
         self.process_group = process_group
         self.user_state: Any = None
         self.user_hook: Callable[[Any, Any], Any] | None = None
+        self.model = weakref.ref(model) if model is not None else lambda: None
+
+    def first_step(self) -> bool:
+        """True in a backward that DDP follows with a rebuild of its buckets (its first): the
+        next forward then broadcasts them, a collective no record shows."""
+        model = self.model()
+        if model is None or getattr(model, "_has_rebuilt_buckets", True):
+            return False
+        return bool(getattr(model, "static_graph", False)) or not getattr(
+            model, "find_unused_parameters", False
+        )
 
     def __call__(self, bucket: Any) -> Any:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         if _verifying:
             hook = self.user_hook
-            # Another hook's all-reduce may differ from the buffer's (fp16 compression): say
-            # which, so the launcher does not release it as the default one.
-            named = {} if hook in (None, default_hooks.allreduce_hook) else {"hook": _name(hook)}
-            verify(DDP_ALL_REDUCE, inputs=[bucket.buffer()], group=self.process_group, args=named)
+            # What a pool's release of this call must know (nblaunch.ranks.release): another
+            # hook's all-reduce may differ from the buffer (fp16 compression), and a first step
+            # is followed by collectives out of the checks' sight.
+            said = {} if hook in (None, default_hooks.allreduce_hook) else {"hook": _name(hook)}
+            if self.first_step():
+                said["first step"] = True
+            verify(DDP_ALL_REDUCE, inputs=[bucket.buffer()], group=self.process_group, args=said)
         with verified_region():  # the hook's own all_reduce is not verified again
             if self.user_hook is not None:
                 return self.user_hook(self.user_state, bucket)
@@ -263,7 +278,7 @@ def _verify_ddp_models() -> Callable[[], None]:
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        self._nblaunch_hook = _VerifiedGradientHook(self.process_group)
+        self._nblaunch_hook = _VerifiedGradientHook(self.process_group, self)
         original_register(self, self._nblaunch_hook, _ddp_comm_hook)
 
     @functools.wraps(original_register)

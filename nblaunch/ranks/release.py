@@ -62,11 +62,15 @@ def unsupported(record: dict[str, Any]) -> str | None:
     """Why the call of ``record`` (debug mode's record) cannot be released; ``None`` if it can."""
     op = record.get("op", "?")
     if op not in _TENSOR_CALLS | _OBJECT_CALLS | _NO_PAYLOAD:
-        return f"{op} is not a call nblaunch can release"
+        return f"{op}, which nblaunch cannot release"
     if op in _TENSOR_CALLS and len(record.get("shapes", ())) < record.get("n", 0):
         return f"{op} with {record['n']} tensors (only the first ones' shapes are known)"
     if op == DDP_ALL_REDUCE and record.get("args", {}).get("hook"):
         return f"{op} through the comm hook {record['args']['hook']}"
+    if op == DDP_ALL_REDUCE and record.get("args", {}).get("first step"):
+        # DDP rebuilds its buckets after its first backward, and broadcasts them in the next
+        # forward: released here, one rank would make that broadcast and the others would not.
+        return f"{op} of a model's first step, after which DDP rebuilds its buckets"
     return None
 
 
