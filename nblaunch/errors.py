@@ -13,6 +13,8 @@ traceback attached and a note naming the rank; the classes below are for everyth
     ├── DistributedHangError            ranks sat in collectives that could never complete
     ├── RunStoppedError                 a background or detached run was stopped (Stop
     │                                   button, RunHandle.stop(), ``nblaunch runs stop``)
+    ├── PoolRestartedError              a pool's cell ended with ranks that could not be
+    │                                   stopped: fresh ranks, the names are gone
     ├── NoExecutableBatchSizeError      find_executable_batch_size ran out of memory at every
     │                                   batch size down to 1 (also a RuntimeError)
     └── DistributedOperationException   debug mode: ranks called a collective with mismatched
@@ -162,6 +164,16 @@ class RunStoppedError(NblaunchError):
     Raised by ``RunHandle.result()`` after the view's Stop button, ``RunHandle.stop()`` or
     ``nblaunch runs stop``; a blocking launch that is stopped raises ``KeyboardInterrupt`` as
     any interrupted cell does. What the ranks wrote until then is in the run directory.
+    """
+
+
+class PoolRestartedError(NblaunchError):
+    """A pool's cell ended with ranks that could not be stopped, so the pool started fresh ones.
+
+    The names earlier cells defined are gone: run the cells that make them again. The first
+    line says which ranks did not stop and why nothing could free them (typically a rank
+    waiting in a point-to-point ``recv``, or in a collective with the checks off); the cell's
+    own error (the rank's exception, or ``KeyboardInterrupt``) is its ``__cause__``.
     """
 
 

@@ -2,12 +2,12 @@
 
 Everything a view shows arrives as one of these records: the protocol is readable here, in one
 place. Ranks send ``Started``, ``Log``, ``Progress``, ``Heartbeat``, ``Metrics``, ``Failure``,
-``Result``, ``Finished`` and the debugger's ``DebugPrompt``/``DebugEnd`` over their event pipe;
-the parent's relay turns the ranks' raw stdout/stderr bytes into ``Stream`` records and adds
-``RunInfo``, ``StateChange``, ``Diagnosis`` and ``RunEnded``. A view only renders records; it
-never infers a state on its own. Down each rank's pipe go ``Setup``, ``Task``, ``Stop`` and
-``DebugInput``; a joined node adds ``Death``, ``NodeNews`` and ``Collectives`` to what it sends
-the notebook.
+``Result``, ``Finished``, ``Released`` and the debugger's ``DebugPrompt``/``DebugEnd`` over their
+event pipe; the parent's relay turns the ranks' raw stdout/stderr bytes into ``Stream`` records
+and adds ``RunInfo``, ``StateChange``, ``Diagnosis`` and ``RunEnded``. A view only renders
+records; it never infers a state on its own. Down each rank's pipe go ``Setup``, ``Task``,
+``Stop``, ``DebugInput`` and ``Release``; a joined node adds ``Death``, ``NodeNews`` and
+``Collectives`` to what it sends the notebook.
 
 Every record is a plain ``dict`` (a ``TypedDict``) with a ``kind`` key, so it pickles cheaply and
 prints readably.
@@ -120,6 +120,7 @@ class CollectiveCall(TypedDict):
     n: int  # the checked collectives of ``group`` in the task, counted from 1
     size: int  # ranks in the group
     record: dict[str, Any]
+    # Also, with a group's first call of a task only: "members", the group's ranks.
 
 
 class Failure(TypedDict):
@@ -266,6 +267,7 @@ class RunEnded(TypedDict):
 SETUP = "setup"
 TASK = "task"
 STOP = "stop"
+RELEASE = "release"
 
 
 class Setup(TypedDict):
@@ -314,6 +316,24 @@ class DebugInput(TypedDict):
     line: str
 
 
+class Release(TypedDict):
+    """Between tasks: issue these calls, which peers wait in and this rank's task never issued
+    (``nblaunch.ranks.release``); answered by ``Released``."""
+
+    kind: Literal["release"]
+    calls: list[CollectiveCall]
+    timeout_s: float
+
+
+class Released(TypedDict):
+    """A rank issued the calls of a ``Release`` (``ok``), or could not (``problem``)."""
+
+    kind: Literal["released"]
+    rank: int
+    ok: bool
+    problem: str
+
+
 class Death(TypedDict):
     """A joined node's rank process ended without reporting (the notebook's own are reaped)."""
 
@@ -347,6 +367,7 @@ Event = (
     | Failure
     | Result
     | Finished
+    | Released
     | Stream
     | RunInfo
     | StateChange

@@ -167,6 +167,38 @@ def test_the_interrupt_button_works_at_a_pools_debugger_prompt(notebook):
         notebook.run("%dist stop")
 
 
+def test_q_in_a_pools_debugger_while_a_peer_waits_in_a_collective_keeps_the_names(notebook):
+    # Fault sweep case 2: the pool was restarted and every name lost, said only in a note.
+    assert notebook.run("%dist start -n 2")["error"] is None
+    try:
+        made = notebook.run(
+            "%%distributed\nimport torch, torch.distributed as dist, nblaunch\n"
+            "model = torch.nn.Linear(3, 2)"
+        )
+        assert made["error"] is None, made
+        cell = notebook.run(
+            "%%distributed\nt = torch.ones(2)\nnblaunch.breakpoint(rank=0)\ndist.all_reduce(t)",
+            answers=["q"],
+            timeout=30,
+        )
+        assert cell["prompts"] == ["[rank 0] (Pdb) "]
+        assert cell["error"] == "RankFailedError", cell
+        assert cell["message"].startswith("rank 0 of 2 quit the debugger (q)")
+        said = "\n".join(cell["traceback"])
+        assert "rank 0 issued torch.distributed.all_reduce (cell line 4)" in said, said
+        assert "which rank 1 waited in; rank 1 was stopped there, its names kept" in said
+        assert cell["seconds"] < 3.0, cell  # no wait for a restart
+        after = notebook.run(
+            "%%distributed\nnames = [None] * world_size\n"
+            "dist.all_gather_object(names, type(model).__name__)\n"
+            "s = torch.tensor([rank + 1.0])\ndist.all_reduce(s)\n(names, s.item())"
+        )
+        assert after["result"] == "(['Linear', 'Linear'], 3.0)", after
+        assert "restarts: 0" in notebook.run("%dist status")["out"]
+    finally:
+        notebook.run("%dist stop")
+
+
 def test_pool_post_mortem_and_variables_between_kernel_and_ranks(notebook):
     assert notebook.run("%dist start -n 2")["error"] is None
     try:

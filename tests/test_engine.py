@@ -26,11 +26,18 @@ from nblaunch.engine.hang import FINISHED_GRACE_S
 from nblaunch.engine.plan import plan_launch, serialize_payload
 from nblaunch.engine.run import Run
 from nblaunch.engine.verdict import SECONDARY_GRACE_S, Cause, RootCause
-from nblaunch.errors import DistributedHangError, LaunchError, LaunchTimeoutError
+from nblaunch.errors import (
+    DistributedHangError,
+    LaunchError,
+    LaunchTimeoutError,
+    PoolRestartedError,
+)
 from nblaunch.events import RunState
 from nblaunch.notebook.pool import Pool, PoolState
 from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
 from nblaunch.notebook.views import RecordingView
+from nblaunch.notebook.views.model import RunModel
+from nblaunch.notebook.views.summary import summary_bundle
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks.batch_size import RESTART_OPTION
 
@@ -266,11 +273,14 @@ def test_a_pool_rank_that_ignores_the_interrupt_gets_fresh_ranks_and_says_so():
     pool, script = start_scripted_pool(behaviour)
     try:
         t0 = script.clock.now()
-        with pytest.raises(ValueError, match="boom") as caught:
+        with pytest.raises(PoolRestartedError) as caught:
             pool.run(train)
-        notes = "\n".join(getattr(caught.value, "__notes__", []))
-        assert f"Rank(s) 0 did not stop within {INTERRUPT_WAIT_S:g} s" in notes
-        assert "the pool was restarted" in notes
+        first, *rest = str(caught.value).splitlines()
+        assert first.startswith("The pool was restarted, so the names from earlier cells are gone")
+        assert f"rank(s) 0 did not stop within {INTERRUPT_WAIT_S:g} s" in first
+        assert "no collective call the checks recorded holds rank(s) 0" in first  # no records
+        assert rest == ["The cell's own error is above: ValueError: boom"]
+        assert isinstance(caught.value.__cause__, ValueError)
         assert script.clock.now() - t0 >= INTERRUPT_WAIT_S
         assert len(script.backends) == 2 and pool.restarts == 1
         assert pool.state is PoolState.IDLE
@@ -287,9 +297,16 @@ def test_a_pool_that_lost_a_rank_refuses_the_next_cell_at_once():
 
     pool, _ = start_scripted_pool(behaviour)
     try:
+        view = RecordingView()
         with pytest.raises(Exception, match="rank 1") as caught:
-            pool.run(train)
+            pool.run_payload(serialize_payload(train, ()), view=view)
         assert "The pool lost rank 1" in "\n".join(getattr(caught.value, "__notes__", []))
+        # Fault sweep case 11: the rank the pool stopped read "RUNNING · stopped".
+        model = RunModel()
+        for event in view.events:
+            model.handle(event)
+        assert model.state(0) is RunState.STOPPED
+        assert summary_bundle(model)["text/plain"].splitlines()[1] == "  rank 0: STOPPED · stopped"
         assert pool.state is PoolState.BROKEN
         with pytest.raises(LaunchError, match="the pool cannot run cells"):
             pool.run(train)
@@ -305,7 +322,12 @@ def test_the_pools_end_of_task_decision():
     assert broken.note.startswith("The pool lost rank 1: run %dist restart")
     stuck = decide_task_end([], [0, 1], " (rank 0 at t.py:3)")
     assert stuck.after is AfterTask.RESTART
-    assert stuck.note.startswith("Rank(s) 0, 1 did not stop within 3 s (rank 0 at t.py:3)")
+    assert stuck.note == (
+        "The pool was restarted, so the names from earlier cells are gone: rank(s) 0, 1 did "
+        "not stop within 3 s (rank 0 at t.py:3)."
+    )
+    why = decide_task_end([], [1], " (rank 1 at t.py:4)", why="they wait in a recv")
+    assert why.note.endswith("(rank 1 at t.py:4), and could not be released (they wait in a recv).")
     node = RootCause(Cause.NODE, 2, "node 1 sent nothing for 30 s")
     lost = decide_task_end([node], [], describe_node=lambda rank: f"node {rank // 2} (vm)")
     assert lost.after is AfterTask.BROKEN and "The pool lost node 1 (vm)" in lost.note

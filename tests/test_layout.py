@@ -194,6 +194,7 @@ PUBLIC = [
     "NblaunchError",
     "NoExecutableBatchSizeError",
     "Pool",
+    "PoolRestartedError",
     "RankFailedError",
     "RendezvousTimeoutError",
     "RunHandle",

@@ -247,7 +247,9 @@ def test_sigint_between_tasks_does_not_end_a_rank(pool):
     assert pool.run(os.getpid) == pool.pids
 
 
-def test_a_rank_that_cannot_be_interrupted_gets_the_pool_restarted(pool):
+def test_an_interrupt_while_a_peer_waits_in_a_collective_keeps_the_names(pool):
+    # Rank 0 sleeps (the interrupt stops it); rank 1 waits in all_reduce, where no signal
+    # reaches it: rank 0 issues the all_reduce it owes, and rank 1 stops there too.
     pool.run(remember, 7)
     old_pids = pool.pids
     interrupt_after(1.0)
@@ -256,12 +258,11 @@ def test_a_rank_that_cannot_be_interrupted_gets_the_pool_restarted(pool):
         pool.run(rank_one_stuck_in_all_reduce)
     elapsed = time.monotonic() - began
     notes = "\n".join(info.value.__notes__)
-    assert "Rank(s) 1 did not stop" in notes and "the pool was restarted" in notes
-    assert elapsed < 1.0 + INTERRUPT_WAIT_S + 10.0
-    assert pool.state is PoolState.IDLE and pool.restarts == 1
-    assert set(pool.pids).isdisjoint(old_pids)
-    assert not any(_alive(pid) for pid in old_pids)
-    assert pool.run(recall) == [None, None]  # fresh ranks: the state is gone, as the note says
+    assert "interrupted on rank(s) 0, 1" in notes
+    assert "rank 0 issued torch.distributed.all_reduce" in notes and "names kept" in notes
+    assert elapsed < 1.0 + INTERRUPT_WAIT_S, elapsed  # no wait for the pool's restart
+    assert pool.state is PoolState.IDLE and pool.restarts == 0 and pool.pids == old_pids
+    assert pool.run(recall) == [7, 14]
     assert pool.run(all_reduce_sum) == [3.0, 3.0]
 
 

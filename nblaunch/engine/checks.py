@@ -21,6 +21,7 @@ import socket
 import struct
 import uuid
 import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nblaunch.engine.monitor import RunContext
@@ -146,6 +147,56 @@ def compare(records: dict[int, dict[str, Any]], complete: bool) -> str | None:
     return mismatch_message(ordered)
 
 
+@dataclass
+class Owed:
+    """What ranks back from a task owe peers that wait in collectives (see :func:`owed_calls`)."""
+
+    calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # rank -> in order
+    keys: list[tuple[int, str, int]] = field(default_factory=list)  # the collectives
+    waiting: set[int] = field(default_factory=set)  # ranks that issued them
+    problem: str = ""  # why they cannot be released; then ``calls`` is empty
+
+
+def owed_calls(
+    open_calls: dict[tuple[int, str, int], dict[int, dict[str, Any]]],
+    members: dict[str, list[int]],
+    task: int,
+    idle: set[int],
+    skip: set[tuple[int, str, int]],
+) -> Owed:
+    """Which collectives of ``task`` ranks in ``idle`` owe, and the calls that release them.
+
+    A collective some ranks of its group issued and others never did, all of them back from the
+    task (``idle``), can be completed by those others issuing the same call: its record says
+    the operation, shapes, dtypes and arguments (:mod:`nblaunch.ranks.release`). One whose
+    missing ranks still run is left to them. All or nothing: a call that cannot be released
+    (or a group whose ranks are unknown) makes the result empty, with the reason.
+    """
+    from nblaunch.ranks.release import unsupported
+
+    owed = Owed()
+    for key, records in open_calls.items():
+        call_task, group, n = key
+        if call_task != task or key in skip:
+            continue
+        ranks = members.get(group)
+        if ranks is None:
+            return Owed(problem=f"the ranks of process group {group} are not known")
+        missing = [rank for rank in ranks if rank not in records]
+        if not missing or any(rank not in idle for rank in missing):
+            continue
+        record = records[min(records)]
+        problem = unsupported(record)
+        if problem:
+            waiting = ", ".join(map(str, sorted(records)))
+            return Owed(problem=f"rank(s) {waiting} wait in {problem}")
+        for rank in missing:
+            owed.calls.setdefault(rank, []).append({"group": group, "n": n, "record": record})
+        owed.keys.append(key)
+        owed.waiting.update(records)
+    return owed
+
+
 class CollectiveChecks:
     """Ends a run whose ranks disagree on a collective (a ``Monitor``; see the module).
 
@@ -160,6 +211,7 @@ class CollectiveChecks:
         self.world_size = plan.world_size
         self.reader = reader_for(plan) if plan.checks else None
         self.open: dict[tuple[int, str, int], dict[int, dict[str, Any]]] = {}
+        self.members: dict[str, list[int]] = {}  # group name -> its ranks, once a call said
         self.compared = 0  # collectives every rank of the group reported, found consistent
         self.found: RootCause | None = None
         self.reported = False
@@ -171,7 +223,23 @@ class CollectiveChecks:
         for call in event["calls"]:
             self._take(call)
 
+    def collect(self) -> None:
+        """Take what the ranks sent since the last check, without judging (a pool's task is
+        ending: :meth:`owed` reads what is still open)."""
+        if self.reader is not None and not self.reported:
+            for call in self.reader.read():
+                self._take(call)
+
+    def owed(self, task: int, idle: set[int], skip: set[tuple[int, str, int]]) -> Owed:
+        """The calls of ``task`` that ranks in ``idle`` (back from their task) never issued
+        while peers did (:func:`owed_calls`); ``skip``: collectives released already."""
+        if self.found is not None:
+            return Owed(problem="the ranks called mismatched collectives")
+        return owed_calls(self.open, self.members, task, idle, skip)
+
     def _take(self, call: dict[str, Any]) -> None:
+        if "members" in call:
+            self.members[call["group"]] = call["members"]
         if self.found is not None:
             return
         rank = call["rank"]

@@ -11,9 +11,11 @@ tasks:
 
 - a task ends only when every rank it ran on is back waiting for the next one, and whatever the
   task printed has been shown, so no output lands under another cell;
-- an interrupt (the kernel's stop button) raises ``KeyboardInterrupt`` inside the ranks; a rank
-  that cannot react (stuck in a collective inside C code) gets the pool restarted, and the
-  person is told that the ranks' state is gone;
+- an interrupt (the kernel's stop button, or ``q`` in a rank's debugger) raises
+  ``KeyboardInterrupt`` inside the ranks; a rank waiting in a collective that the stopped ranks
+  never issued (no signal reaches it inside C code) is freed by them issuing it
+  (:mod:`nblaunch.notebook.pool_release`); one that nothing frees gets the pool restarted,
+  and the cell's error (``PoolRestartedError``) says first that the ranks' state is gone;
 - a rank that dies fails its cell with the real cause and leaves the pool *broken*: the next
   cell says so at once (``%dist restart``) instead of hanging on the dead rank;
 - the live view is built only for a task that runs past ``views.LIVE_VIEW_AFTER_S``; a

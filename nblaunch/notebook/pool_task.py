@@ -3,8 +3,10 @@
 :func:`settle_task` is the mechanics (interrupt the ranks still running, read what they said);
 :func:`decide_task_end` is the decision, a pure function of what the ranks did: the pool is
 ready for the next cell, broken (a rank or a node was lost: only a restart helps), or restarted
-(a rank did not come back from an interrupt: fresh ranks, their names gone). The scripted engine
-tests (tests/test_engine.py) and tests/test_pool.py check both.
+(a rank did not come back from an interrupt, not even once its peers issued the collective it
+waited in, :mod:`nblaunch.notebook.pool_release`: fresh ranks, their names gone, and the cell's
+error says so first). The scripted engine tests (tests/test_engine.py) and tests/test_pool.py
+check both.
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ from typing import Any
 
 from nblaunch.engine.run import Run
 from nblaunch.engine.verdict import Cause, RootCause, add_note, recreate_exception
+from nblaunch.errors import PoolRestartedError, safe_str
 from nblaunch.events import EventSink, RunState, diagnosis
+from nblaunch.notebook.pool_release import Releaser
 
 # How long the ranks of an interrupted or failed task get to come back before the pool restarts.
 INTERRUPT_WAIT_S = 3.0
 # A task whose results all arrived: how long to wait for each rank's closing "finished" event.
 FINISH_WAIT_S = 2.0
+# Badges of a rank still at work.
+_LIVE_STATES = (RunState.STARTING, RunState.RUNNING, RunState.DEBUGGING, RunState.STALLED)
 
 
 class AfterTask(enum.Enum):
@@ -49,6 +55,7 @@ def decide_task_end(
     pending: list[int],
     where_stuck: str = "",
     describe_node: Callable[[int], str] = lambda rank: f"the node of rank {rank}",
+    why: str = "",
 ) -> TaskEnd:
     """What the pool does after a task.
 
@@ -62,6 +69,8 @@ def decide_task_end(
         Where the pending ranks were last seen, for the note (``" (rank 1 at ...)"``).
     describe_node
         ``"node 1 (host)"`` for a rank of a lost node.
+    why
+        Why the pending ranks could not be released from their collective, for the note.
     """
     if lost:
         first = lost[0]
@@ -77,10 +86,11 @@ def decide_task_end(
         note = f"The pool lost {what}: {again}; names from earlier cells are gone."
         return TaskEnd(AfterTask.BROKEN, note, problem)
     if pending:
+        # First what the person lost, then why: this is the first line of the cell's error.
         note = (
-            f"Rank(s) {', '.join(map(str, pending))} did not stop within "
-            f"{INTERRUPT_WAIT_S:g} s{where_stuck}, so the pool was restarted: "
-            "fresh ranks, names from earlier cells are gone."
+            "The pool was restarted, so the names from earlier cells are gone: rank(s) "
+            f"{', '.join(map(str, pending))} did not stop within {INTERRUPT_WAIT_S:g} s"
+            f"{where_stuck}" + (f", and could not be released ({why})." if why else ".")
         )
         return TaskEnd(AfterTask.RESTART, note)
     return TaskEnd(AfterTask.READY)
@@ -118,6 +128,7 @@ class TaskReport:
     interrupted: bool
     stopped: list[RootCause]  # the failures that were only the pool's own interrupt
     ok: bool
+    released: str = ""  # which ranks issued which collectives so that their peers could stop
 
     @property
     def raises(self) -> bool:
@@ -154,9 +165,23 @@ class TaskReport:
             ranks = ", ".join(str(f.rank) for f in stopped) or "none"
             ready = "" if note else "; the pool is ready for the next cell"
             add_note(exc, f"interrupted on rank(s) {ranks}{ready}")
+        if self.released:
+            add_note(exc, self.released)
+        if self.end.after is AfterTask.RESTART:
+            # The names are gone: the error says so before anything else (the cell's own
+            # error is its cause, shown above it).
+            restarted = PoolRestartedError(
+                f"{note}\nThe cell's own error is above: {_headline(exc)}"
+            )
+            raise restarted from exc
         if note:
             add_note(exc, note)
         raise exc
+
+
+def _headline(exc: BaseException) -> str:
+    lines = safe_str(exc).splitlines()
+    return type(exc).__name__ + (f": {lines[0]}" if lines else "")
 
 
 def run_task(
@@ -176,7 +201,9 @@ def run_task(
     ``first``: the pool's first task, whose header says what the start set up.
     """
     guard = TaskGuard()
-    run.begin_task(view, task_ranks, timeout=timeout, hang_timeout=hang_timeout, monitors=[guard])
+    releaser = Releaser(task_id)
+    monitors = [guard, releaser]
+    run.begin_task(view, task_ranks, timeout=timeout, hang_timeout=hang_timeout, monitors=monitors)
     previous_handler = guard.install()
     try:
         interrupted = False
@@ -188,18 +215,26 @@ def run_task(
             run.watch()
         except KeyboardInterrupt:
             interrupted = True
-        stopped = settle_task(run, guard, interrupted)
+        stopped = settle_task(run, guard, interrupted, releaser)
     finally:
         guard.uninstall(previous_handler)
     lost, pending = lost_ranks(run), pending_ranks(run)
-    end = decide_task_end(lost, pending, guard.where(pending), describe_node)
+    why = releaser.why(pending) if pending else ""
+    end = decide_task_end(lost, pending, guard.where(pending), describe_node, why)
+    # No rank's badge may still say it runs once the task is over (a pool that lost a rank
+    # stops the others without a word from them: they read "RUNNING · stopped" before).
     if end.after is AfterTask.RESTART:
-        for rank in pending:
-            run.set_state(rank, RunState.STOPPED, "did not stop; the pool was restarted")
-    elif end.after is AfterTask.READY:
-        for rank in run.task_ranks:
-            if rank not in run.outcome.results and run.states.get(rank) is RunState.RUNNING:
-                run.set_state(rank, RunState.STOPPED, "interrupted")
+        why_stopped = "did not stop; the pool was restarted"
+    elif end.after is AfterTask.BROKEN:
+        why_stopped = "stopped: the " + end.note.split(":")[0].removeprefix("The ")
+    else:
+        why_stopped = "interrupted"
+    for rank in run.task_ranks:
+        still = run.states.get(rank) in _LIVE_STATES or (
+            end.after is AfterTask.RESTART and rank in pending
+        )
+        if still and rank not in run.outcome.results:
+            run.set_state(rank, RunState.STOPPED, why_stopped)
     ok = (
         run.outcome.root is None
         and not interrupted
@@ -218,14 +253,19 @@ def run_task(
         )
     run.publish(run.run_ended(ok))
     run.view.close()
-    return TaskReport(run, end, interrupted, stopped, ok)
+    released = releaser.done if end.after is AfterTask.READY else ""
+    return TaskReport(run, end, interrupted, stopped, ok, released)
 
 
-def settle_task(run: Run, guard: TaskGuard, interrupted: bool) -> list[RootCause]:
+def settle_task(
+    run: Run, guard: TaskGuard, interrupted: bool, releaser: Releaser | None = None
+) -> list[RootCause]:
     """Bring the task's ranks back to waiting for the next task, as far as they come.
 
     After an interrupt or a failure, ranks still running get SIGINT and ``INTERRUPT_WAIT_S`` to
-    come back (a second press of the interrupt button stops the waiting). What the ranks still
+    come back (a second press of the interrupt button stops the waiting); ranks waiting in a
+    collective that ranks already back never issued are released by those (``releaser``), and
+    waited for as long as that takes. What the ranks still
     said is read, so it shows under this cell. Returns the failures that were only the pool's
     own interrupt: they are taken out of the outcome and those ranks marked STOPPED.
     """
@@ -240,6 +280,10 @@ def settle_task(run: Run, guard: TaskGuard, interrupted: bool) -> list[RootCause
         deadline = run.now() + (INTERRUPT_WAIT_S if stop_others else FINISH_WAIT_S)
         while pending_ranks(run) and run.now() < deadline and guard.interrupts < 2:
             run.pump(0.05)
+            if stop_others and releaser is not None and pending_ranks(run):
+                deadline = max(deadline, releaser.step(run, pending_ranks(run)))
+                if releaser.gave_up:
+                    break
     assert run.relay is not None
     for event in run.relay.drain_ready():
         run.on_event(event)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,6 +44,9 @@ PATCHED = (
     "barrier",
 )
 
+# Those made of several torch calls (sizes, then data): an interrupt waits for the last one.
+COMPOUND = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+
 
 # --- torch.distributed ---------------------------------------------------------------------------
 
@@ -52,11 +56,11 @@ def _spec(name: str, a: dict[str, Any], world: int, backend: str) -> dict[str, A
     if name == "all_reduce":
         return {"inputs": [a["tensor"]], "args": {"op": a.get("op")}}
     if name == "broadcast":
-        return {"inputs": [a["tensor"]], "args": {"src": _first(a, "src", "group_src")}}
+        return {"inputs": [a["tensor"]], "args": {"src": _root(a, "src", "group_src")}}
     if name == "reduce":
         return {
             "inputs": [a["tensor"]],
-            "args": {"dst": _first(a, "dst", "group_dst"), "op": a.get("op")},
+            "args": {"dst": _root(a, "dst", "group_dst"), "op": a.get("op")},
         }
     if name == "all_gather":
         outputs = list(a["tensor_list"])
@@ -95,9 +99,9 @@ def _spec(name: str, a: dict[str, Any], world: int, backend: str) -> dict[str, A
             )
         return {"inputs": [inp], "args": {"op": a.get("op")}, "problem": problem}
     if name == "gather":
-        return {"inputs": [a["tensor"]], "args": {"dst": _first(a, "dst", "group_dst")}}
+        return {"inputs": [a["tensor"]], "args": {"dst": _root(a, "dst", "group_dst")}}
     if name == "scatter":
-        return {"inputs": [a["tensor"]], "args": {"src": _first(a, "src", "group_src")}}
+        return {"inputs": [a["tensor"]], "args": {"src": _root(a, "src", "group_src")}}
     if name == "all_to_all_single":
         return {"inputs": [a["input"]], "rule": "same_except_dim", "dim": 0}
     if name == "all_to_all":
@@ -111,22 +115,32 @@ def _spec(name: str, a: dict[str, Any], world: int, backend: str) -> dict[str, A
         return {
             "rule": "none",
             "args": {
-                "src": _first(a, "src", "group_src"),
+                "src": _root(a, "src", "group_src"),
                 "len(object_list)": len(a["object_list"]),
             },
         }
     if name == "gather_object":
-        return {"rule": "none", "args": {"dst": _first(a, "dst", "group_dst")}}
+        return {"rule": "none", "args": {"dst": _root(a, "dst", "group_dst")}}
     if name == "scatter_object_list":
-        return {"rule": "none", "args": {"src": _first(a, "src", "group_src")}}
+        return {"rule": "none", "args": {"src": _root(a, "src", "group_src")}}
     return {"rule": "none"}  # barrier
 
 
-def _first(arguments: dict[str, Any], *names: str) -> Any:
-    for name in names:
-        if arguments.get(name) is not None:
-            return arguments[name]
-    return None
+def _root(arguments: dict[str, Any], name: str, group_name: str) -> Any:
+    """The call's root as a global rank, whether it was given as one (``src``) or as its rank
+    in the group (``group_src``): records compare alike, and a release knows its root."""
+    if arguments.get(name) is not None:
+        return arguments[name]
+    value = arguments.get(group_name)
+    if value is None:
+        return None
+    import torch.distributed as dist
+
+    try:
+        group = arguments.get("group") or dist.distributed_c10d._get_default_group()
+        return dist.get_global_rank(group, value)
+    except (RuntimeError, ValueError, AttributeError):
+        return value
 
 
 def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -153,7 +167,8 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         except (AttributeError, KeyError, TypeError):
             return original(*args, **kwargs)  # not tensors where torch wants them: torch says so
         verify(f"torch.distributed.{name}", group=group, **spec)
-        with verified_region():
+        whole = worker.interrupts_deferred() if name in COMPOUND else contextlib.nullcontext()
+        with verified_region(), whole:
             return original(*args, **kwargs)
 
     verified.__nblaunch_original__ = original  # type: ignore[attr-defined]
@@ -207,20 +222,42 @@ class _VerifiedGradientHook:
     in place of the default all-reduce.
     """
 
-    def __init__(self, process_group: Any) -> None:
+    def __init__(self, process_group: Any, model: Any = None) -> None:
         self.process_group = process_group
         self.user_state: Any = None
         self.user_hook: Callable[[Any, Any], Any] | None = None
+        self.model = weakref.ref(model) if model is not None else lambda: None
+
+    def first_step(self) -> bool:
+        """True in a backward that DDP follows with a rebuild of its buckets (its first): the
+        next forward then broadcasts them, a collective no record shows."""
+        model = self.model()
+        if model is None or getattr(model, "_has_rebuilt_buckets", True):
+            return False
+        return bool(getattr(model, "static_graph", False)) or not getattr(
+            model, "find_unused_parameters", False
+        )
 
     def __call__(self, bucket: Any) -> Any:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         if _verifying:
-            verify(DDP_ALL_REDUCE, inputs=[bucket.buffer()], group=self.process_group)
+            hook = self.user_hook
+            # What a pool's release of this call must know (nblaunch.ranks.release): another
+            # hook's all-reduce may differ from the buffer (fp16 compression), and a first step
+            # is followed by collectives out of the checks' sight.
+            said = {} if hook in (None, default_hooks.allreduce_hook) else {"hook": _name(hook)}
+            if self.first_step():
+                said["first step"] = True
+            verify(DDP_ALL_REDUCE, inputs=[bucket.buffer()], group=self.process_group, args=said)
         with verified_region():  # the hook's own all_reduce is not verified again
             if self.user_hook is not None:
                 return self.user_hook(self.user_state, bucket)
             return default_hooks.allreduce_hook(self.process_group, bucket)
+
+
+def _name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
 
 
 def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -241,7 +278,7 @@ def _verify_ddp_models() -> Callable[[], None]:
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        self._nblaunch_hook = _VerifiedGradientHook(self.process_group)
+        self._nblaunch_hook = _VerifiedGradientHook(self.process_group, self)
         original_register(self, self._nblaunch_hook, _ddp_comm_hook)
 
     @functools.wraps(original_register)

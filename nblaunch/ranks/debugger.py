@@ -9,7 +9,8 @@ is a monitor (:mod:`nblaunch.engine.debug_prompts`): while a rank waits in the d
 badge says DEBUGGING, the others' say they wait for it, and the run's clocks are paused: the
 hang watchdog does not judge and ``timeout=`` does not count.
 ``q`` raises ``bdb.BdbQuit`` in the rank: the run ends with every rank stopped and "rank N quit
-the debugger".
+the debugger"; a pool's ranks keep their names (peers waiting in a collective are released,
+:mod:`nblaunch.notebook.pool_release`).
 
 In a rank ``breakpoint()`` stops there (``PYTHONBREAKPOINT=0`` still turns it off);
 :func:`breakpoint` with ``rank=`` stops on that rank only. ``debug_on_error=True`` holds a failing

@@ -356,3 +356,25 @@ def _satisfies(
     current = _backend_map(str(dist.get_backend_config()))
     asked = _backend_map(wanted)
     return all(current.get(kind) == asked[kind] for kind in _relevant(shared, asked))
+
+
+def rendezvous_store(rank: int, world_size: int) -> Any:
+    """The TCPStore the process group meets in, listening on ``MASTER_ADDR`` only.
+
+    ``init_method="env://"`` would make rank 0 listen on every interface; binding the socket
+    ourselves keeps a single-node run on loopback.
+    """
+    import torch.distributed as dist
+
+    address = os.environ["MASTER_ADDR"]
+    port = int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(minutes=30)
+    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Multi-node runs: the notebook node hosts the store (nblaunch.cluster.store), as
+        # torchrun's agent does; every rank, rank 0 included, is a client.
+        return dist.TCPStore(address, port, world_size, False, timeout)
+    listener = socket.create_server((address, port), reuse_port=False)
+    store = dist.TCPStore(
+        address, port, world_size, True, timeout, master_listen_fd=listener.detach()
+    )
+    return store

@@ -59,7 +59,8 @@ class Outbox:
         self.rank = rank
         self.task = task
         self.counters: dict[str, Iterator[int]] = {}  # group name -> its next numbers
-        self.sizes: dict[str, int] = {}  # group name -> its ranks
+        self.sizes: dict[str, int] = {}  # group name -> its number of ranks
+        self.members: dict[str, list[int]] = {}  # group name -> its ranks (global numbers)
         self._lock = threading.Lock()
         self.sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -68,10 +69,16 @@ class Outbox:
         except OSError:  # the launcher is gone: nobody to tell
             self.close()
 
-    def add(self, group: str, size: int, record: dict[str, Any]) -> None:
-        """Number one call on ``group`` (``size`` ranks) and send it; never waits."""
-        call = {"rank": self.rank, "task": self.task, "group": group, "size": size}
-        call["record"] = record
+    def add(
+        self, group: str, size: int, record: dict[str, Any], members: list[int] | None = None
+    ) -> None:
+        """Number one call on ``group`` (``size`` ranks) and send it; never waits.
+
+        ``members``: the group's ranks, sent with its first call of the task, so the launcher
+        knows who owes a call that some ranks never issued (:mod:`nblaunch.ranks.release`).
+        """
+        call: dict[str, Any] = {"rank": self.rank, "task": self.task, "group": group}
+        call.update(size=size, record=record)
         # One call at a time: threads issuing collectives (an autograd thread's DDP hook) must
         # not interleave their bytes, and the numbers must go out in order.
         with self._lock:
@@ -79,6 +86,8 @@ class Outbox:
             if counter is None:
                 counter = self.counters[group] = itertools.count(1)
             call["n"] = next(counter)
+            if call["n"] == 1 and members is not None:
+                call["members"] = members
             if self.sock is None:
                 return
             data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
@@ -111,7 +120,10 @@ def send(record: dict[str, Any], group: Any = None) -> None:
     size = outbox.sizes.get(name)
     if size is None:
         size = outbox.sizes[name] = dist.get_world_size(pg)
-    outbox.add(name, size, record)
+        # Without them the launcher cannot release this group's calls; nothing else needs them.
+        with contextlib.suppress(RuntimeError, ValueError):
+            outbox.members[name] = dist.get_process_group_ranks(pg)
+    outbox.add(name, size, record, outbox.members.get(name))
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from nblaunch.ranks import worker
 from nblaunch.ranks.debug_mode import (
     all_gather_flat,
     checks_enabled,
@@ -39,15 +40,22 @@ def _tensors(data: Any) -> list[Any]:
 
 
 def _map(function: Callable[[Any], Any], data: Any, operation: str) -> Any:
+    """``function`` on every tensor of ``data`` (one collective each), never stopped half-way
+    by an interrupt (see :func:`nblaunch.ranks.worker.interrupts_deferred`)."""
+    with worker.interrupts_deferred():
+        return _map_each(function, data, operation)
+
+
+def _map_each(function: Callable[[Any], Any], data: Any, operation: str) -> Any:
     import torch
 
     if isinstance(data, torch.Tensor):
         return function(data)
     if isinstance(data, (list, tuple)):
-        mapped = [_map(function, item, operation) for item in data]
+        mapped = [_map_each(function, item, operation) for item in data]
         return type(data)(*mapped) if hasattr(data, "_fields") else type(data)(mapped)
     if isinstance(data, dict):
-        return type(data)({k: _map(function, v, operation) for k, v in data.items()})
+        return type(data)({k: _map_each(function, v, operation) for k, v in data.items()})
     raise TypeError(
         f"{operation} works on tensors and nested lists/tuples/dicts of tensors, got "
         f"{type(data).__name__}; use gather_object / broadcast_object_list for other objects"
@@ -113,7 +121,7 @@ def gather_object(obj: Any) -> list[Any]:
     if checks_enabled():
         verify("nblaunch.ranks.ops.gather_object", rule="none")
     gathered: list[Any] = [None] * dist.get_world_size()
-    with verified_region():
+    with verified_region(), worker.interrupts_deferred():
         unpatched("all_gather_object")(gathered, obj)
     if all(isinstance(item, (list, tuple)) for item in gathered):
         return [x for item in gathered for x in item]
@@ -161,7 +169,7 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
             rule="none",
             args={"from_process": from_process, "len(object_list)": len(object_list)},
         )
-    with verified_region():
+    with verified_region(), worker.interrupts_deferred():
         unpatched("broadcast_object_list")(object_list, src=from_process)
     return object_list
 

@@ -21,11 +21,11 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nblaunch.events import SETUP, STOP, Event
+from nblaunch.events import RELEASE, SETUP, STOP, Event
 from nblaunch.ranks import containment, devices, xla
 from nblaunch.ranks.failure import failure_event
 
@@ -51,6 +51,8 @@ class RankContext:
 
 _context: RankContext | None = None
 _in_task = False  # user code of a task is running: SIGINT raises KeyboardInterrupt
+_deferring = 0  # inside interrupts_deferred() (nested): SIGINT waits for the block's end
+_interrupt_waits = False  # an interrupt came inside interrupts_deferred()
 _channel: _Channel | None = None
 _tree_marker: str | None = None  # see containment.TREE_ENV
 # Modules imported in every rank at setup; each registers its task hooks (see add_task_hook).
@@ -176,6 +178,11 @@ def main(
             if message["kind"] == STOP:
                 stopped = True
                 break
+            if message["kind"] == RELEASE:  # peers wait in collectives a task left owed
+                from nblaunch.ranks import release
+
+                release.handle(message)
+                continue
             _run_task(message)
     except (EOFError, OSError):
         pass  # the parent went away; nothing left to report to
@@ -278,7 +285,7 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
             from nblaunch.ranks import default_group
 
             # Also takes over init_process_group, so code that makes its own group works.
-            store = _rendezvous_store(rank, _context.world_size)
+            store = default_group.rendezvous_store(rank, _context.world_size)
             init_method = setup.get("init_method")
             if init_method == "xla://":
                 xla.use_launcher_store()
@@ -299,30 +306,6 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
         }
     )
     return True
-
-
-def _rendezvous_store(rank: int, world_size: int) -> Any:
-    """The TCPStore the process group meets in, listening on ``MASTER_ADDR`` only.
-
-    ``init_method="env://"`` would make rank 0 listen on every interface; binding the socket
-    ourselves keeps a single-node run on loopback.
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    address = os.environ["MASTER_ADDR"]
-    port = int(os.environ["MASTER_PORT"])
-    timeout = datetime.timedelta(minutes=30)
-    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Multi-node runs: the notebook node hosts the store (nblaunch.cluster.store), as
-        # torchrun's agent does; every rank, rank 0 included, is a client.
-        return dist.TCPStore(address, port, world_size, False, timeout)
-    listener = socket.create_server((address, port), reuse_port=False)
-    store = dist.TCPStore(
-        address, port, world_size, True, timeout, master_listen_fd=listener.detach()
-    )
-    return store
 
 
 def import_features(names: tuple[str, ...] = RANK_FEATURES) -> None:
@@ -358,13 +341,36 @@ def _on_sigint(signum: int, frame: Any) -> None:
     Outside user code a KeyboardInterrupt could land in the middle of a message to the parent
     and break the pipe protocol, or end a pool rank that waits for its next task.
     """
+    global _interrupt_waits
     if _in_task:
+        if _deferring:
+            _interrupt_waits = True
+            return
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Inside this block an interrupt waits for its end, then raises ``KeyboardInterrupt``.
+
+    For a collective made of several torch calls (``broadcast_object_list`` sends sizes, then
+    data): stopped between them, the rank would leave its peers, and a pool's release of them
+    (:mod:`nblaunch.ranks.release`), with a call no rank ever matches.
+    """
+    global _deferring, _interrupt_waits
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+    if not _deferring and _interrupt_waits and _in_task:
+        _interrupt_waits = False
         raise KeyboardInterrupt
 
 
 def _run_task(message: dict[str, Any]) -> None:
     """Run one task and report its Result or Failure, then Finished."""
-    global _in_task
+    global _in_task, _interrupt_waits
     import cloudpickle
 
     assert _context is not None
@@ -381,6 +387,7 @@ def _run_task(message: dict[str, Any]) -> None:
                 # waits here for a peer that never comes shows in its heartbeats.
                 default_group.ensure_ready()
             function, args, kwargs = cloudpickle.loads(message["payload"])
+            _interrupt_waits = False
             _in_task = True
             exited = False
             try:
