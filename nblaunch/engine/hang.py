@@ -39,6 +39,9 @@ from nblaunch.ranks import process_groups
 # have been still this long after it.
 FINISHED_GRACE_S = 1.0
 FINISHED_GRACE_UNSURE_S = 2.0
+# A proven hang of collectives only, on a rank that returned, is left this long to the report
+# made for that case (_returned_while_waiting), then reported as proven.
+DEFER_TO_RETURNED_S = FINISHED_GRACE_UNSURE_S + 1.0
 # Mark a rank STALLED after it waited this long in one collective (or hang_timeout / 2).
 STALL_AFTER_S = 5.0
 # A rank without a heartbeat for this long is reported as silent.
@@ -282,6 +285,13 @@ class HangMonitor:
         counts = {r: deadlock.counts_of(e) for r, e in {**finals, **running}.items() if e}
         waits = {r: deadlock.wait_of(running[r]) for r in needs}
         returned = sorted({r for need in needs.values() for r in need} & set(self.returned))
+        collectives_only = all(w is not None and w.kind == "collective" for w in waits.values())
+        if (
+            returned
+            and collectives_only
+            and now - max(self.returned.values()) < DEFER_TO_RETURNED_S
+        ):
+            return None  # _returned_while_waiting says it better (set_trigger, DDP's join)
         for rank in needs:
             self._stall(run, rank, self.beats[rank])
         ranks = sorted(needs)

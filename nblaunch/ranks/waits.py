@@ -36,6 +36,9 @@ _requests: dict[int, tuple[Any, PointToPoint]] = {}  # id(work) -> (work, what i
 _waiting: dict[int, PointToPoint] = {}  # thread ident -> the request it waits on
 _groups: dict[int, tuple[Any, str, list[int], bool]] = {}  # id(pg) -> (pg, name, ranks, tags)
 _total = 0  # operations posted in this task, all kinds
+# Work.wait while a request is outstanding (see _watch_waits); None outside a task.
+_work_class: Any = None
+_original_wait: Any = None
 
 
 def _group(pg: Any) -> tuple[str, list[int], bool]:
@@ -69,6 +72,7 @@ def _post(pg: Any, direction: str, group_peer: int, tag: int, work: Any) -> None
                 work,
                 {"op": direction, "group": name, "peer": peer, "tag": key[3], "n": count},
             )
+            _watch_waits(True)
 
 
 def _wrap_post(original: Any, direction: str) -> Any:
@@ -104,15 +108,32 @@ def _wrap_wait(original: Any) -> Any:
             _waiting.pop(ident, None)
             with _lock:
                 _requests.pop(id(self), None)
+                _watch_waits(bool(_requests))
 
     wait.__nblaunch_original__ = original  # type: ignore[attr-defined]
     return wait
 
 
+def _watch_waits(on: bool) -> None:
+    """Wrap ``Work.wait`` only while a point-to-point request is outstanding (under ``_lock``).
+
+    Every collective's ``work.wait()`` goes through ``Work.wait`` too: code without
+    point-to-point requests never runs the wrapper.
+    """
+    if _work_class is None:
+        return
+    wrapped = hasattr(_work_class.__dict__.get("wait"), "__nblaunch_original__")
+    with contextlib.suppress(AttributeError, TypeError):  # a class that takes no attributes
+        if on and not wrapped:
+            _work_class.wait = _wrap_wait(_original_wait)
+        elif not on and wrapped:
+            _work_class.wait = _original_wait
+
+
 @contextlib.contextmanager
 def watched_requests() -> Iterator[None]:
     """Count point-to-point operations and watch their waits inside this block."""
-    global _total
+    global _total, _work_class, _original_wait
     try:
         from torch._C._distributed_c10d import ProcessGroup, Work
     except ImportError:  # torch without distributed support: nothing to watch
@@ -123,7 +144,6 @@ def watched_requests() -> Iterator[None]:
         (ProcessGroup, "send", lambda f: _wrap_post(f, "send")),
         (ProcessGroup, "recv", lambda f: _wrap_post(f, "recv")),
         (ProcessGroup, "recv_anysource", _wrap_anysource),
-        (Work, "wait", _wrap_wait),
     ]
     saved = []
     for owner, name, wrap in patches:
@@ -135,12 +155,17 @@ def watched_requests() -> Iterator[None]:
         except (AttributeError, TypeError):
             continue  # a torch whose classes cannot take attributes: no point-to-point waits
         saved.append((owner, name, original))
+    wait = Work.__dict__.get("wait")
+    if wait is not None and not hasattr(wait, "__nblaunch_original__"):
+        _work_class, _original_wait = Work, wait
     try:
         yield
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
         with _lock:
+            _watch_waits(False)
+            _work_class = _original_wait = None
             _posted.clear()
             _requests.clear()
             _waiting.clear()
