@@ -125,6 +125,51 @@ def test_the_monitor_names_each_ranks_wait_line_and_what_it_needs():
     assert "different process groups" in text
 
 
+def test_a_collective_on_a_returned_rank_is_left_to_the_returned_rank_report():
+    # The proof holds at once, but "rank 1 returned while rank 0 waits" (with its set_trigger
+    # advice) is the better report for it: the proof waits for it.
+    hang = HangMonitor(SimpleNamespace(world_size=2, hang_timeout=300, debug=False))
+    run = FakeRun()
+    final = {"kind": "heartbeat", "rank": 1, "where": "", "collective": None, "wait_s": 0.0,
+             "busy_s": 1.0, "last_output": 0.0, "stack": "", "seq": 3, "still_s": 0.0,
+             "in_flight": None, "groups": {"0": 3}, "members": MEMBERS}  # fmt: skip
+    hang.on_event(run, final)
+    hang.on_event(run, {"kind": "result", "rank": 1, "value_bytes": b""})
+    run.outcome.finished.add(1)
+    run.clock += 0.5
+    waiting = {**final, "rank": 0, "collective": "all_reduce", "still_s": 1.0, "stack": "s0",
+               "where": "train.py:5 in step", "groups": {"0": 4},
+               "in_flight": {"group": "0", "group_desc": "", "seq": 4, "label": "all_reduce",
+                             "shapes": []}}  # fmt: skip
+    hang.on_event(run, waiting)
+    assert hang.check(run) is None
+    run.clock += 0.6
+    text = str(hang.check(run).exception)
+    assert text.startswith("rank 1 of 2 returned while rank 0 waits in a collective"), text
+
+
+def test_the_monitor_proves_a_receive_from_a_returned_rank_at_once():
+    hang = HangMonitor(SimpleNamespace(world_size=2, hang_timeout=None, debug=False))
+    run = FakeRun()
+    final = {"kind": "heartbeat", "rank": 1, "where": "", "collective": None, "wait_s": 0.0,
+             "busy_s": 1.0, "last_output": 0.0, "stack": "", "seq": 0, "still_s": 0.0,
+             "in_flight": None, "groups": {}, "p2p_posted": [["recv", "0", 0, 0, 1]],
+             "members": MEMBERS}  # fmt: skip
+    hang.on_event(run, final)
+    hang.on_event(run, {"kind": "result", "rank": 1, "value_bytes": b""})
+    run.outcome.finished.add(1)
+    p2p = {"op": "recv", "group": "0", "peer": 1, "tag": 0, "n": 1}
+    waiting = {**final, "rank": 0, "collective": "irecv().wait()", "still_s": 1.0, "stack": "s",
+               "where": "train.py:7 in step", "p2p_wait": p2p,
+               "p2p_posted": [["recv", "0", 1, 0, 1]]}  # fmt: skip
+    hang.on_event(run, waiting)
+    text = str(hang.check(run).exception)
+    assert text.startswith("rank 0 of 2 waits in calls that can never complete"), text
+    assert "rank 0: in irecv().wait() (recv #1 from rank 1, tag 0) at train.py:7" in text
+    assert "needs rank 1, which posted 0 sends to it" in text
+    assert "rank 1: returned" in text
+
+
 # --- real ranks -----------------------------------------------------------------------------------
 
 

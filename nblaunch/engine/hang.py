@@ -222,8 +222,8 @@ class HangMonitor:
             beat = self.beats.get(rank)
             if beat is None or not beat.in_collective or beat.received <= last_return:
                 continue
-            if beat.event.get("p2p_wait"):
-                continue  # point-to-point: proven from the peers' posts (_proven)
+            if (beat.event.get("p2p_wait") or {}).get("peer", -1) >= 0:
+                continue  # point-to-point with a known peer: proven from its posts (_proven)
             group, seq = beat.waiting_for()
             finals = [self._final_issued(r, group) for r in self.returned]
             if seq is not None and all(s is not None for s in finals):
