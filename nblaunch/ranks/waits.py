@@ -76,9 +76,12 @@ def _post(pg: Any, direction: str, group_peer: int, tag: int, work: Any) -> None
 
 
 def _wrap_post(original: Any, direction: str) -> Any:
-    def post(self: Any, tensors: Any, peer: int, tag: int = 0, *args: Any, **kwargs: Any) -> Any:
-        work = original(self, tensors, peer, tag, *args, **kwargs)
-        _post(self, direction, peer, tag, work)
+    def post(self: Any, *args: Any, **kwargs: Any) -> Any:
+        work = original(self, *args, **kwargs)
+        # (tensors, peer, tag) as torch.distributed passes them; anything else is not counted
+        if len(args) >= 2 and isinstance(args[1], int):
+            tag = args[2] if len(args) >= 3 else kwargs.get("tag", 0)
+            _post(self, direction, args[1], tag, work)
         return work
 
     post.__nblaunch_original__ = original  # type: ignore[attr-defined]
@@ -86,9 +89,9 @@ def _wrap_post(original: Any, direction: str) -> Any:
 
 
 def _wrap_anysource(original: Any) -> Any:
-    def recv_anysource(self: Any, tensors: Any, tag: int = 0, *args: Any, **kwargs: Any) -> Any:
-        work = original(self, tensors, tag, *args, **kwargs)
-        _post(self, "recv", -1, tag, work)
+    def recv_anysource(self: Any, *args: Any, **kwargs: Any) -> Any:
+        work = original(self, *args, **kwargs)
+        _post(self, "recv", -1, args[1] if len(args) >= 2 else kwargs.get("tag", 0), work)
         return work
 
     recv_anysource.__nblaunch_original__ = original  # type: ignore[attr-defined]
@@ -208,9 +211,18 @@ def group_members() -> dict[str, list[int]]:
 
 
 def heartbeat_fields(ident: int) -> dict[str, Any]:
-    """What a heartbeat carries for the proofs: thread ``ident``'s wait, the counts, the groups."""
+    """What a heartbeat carries for the proofs: thread ``ident``'s wait, the counts, the groups.
+
+    Also forgets requests that completed without a wait (polled with ``is_completed()``, or
+    dropped): each holds its tensors.
+    """
     with _lock:
         posted = [[*key, count] for key, count in _posted.items()]
+        for key, (work, _) in list(_requests.items()):
+            with contextlib.suppress(Exception):
+                if work.is_completed():
+                    del _requests[key]
+        _watch_waits(bool(_requests))
     return {"p2p_wait": _waiting.get(ident), "p2p_posted": posted, "members": group_members()}
 
 
