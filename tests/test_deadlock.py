@@ -64,6 +64,17 @@ def test_receives_from_each_other_are_proven_and_a_posted_send_is_not():
     assert prove(waits, issued, set(), MEMBERS) == {}
 
 
+def test_a_receive_from_a_rank_waiting_in_a_collective_is_proven():
+    # Rank 0 waits for rank 1's send; rank 1 waits in barrier #3, which rank 0 never issued.
+    waits = {0: Wait("recv", "0", 1, peer=1, tag=0), 1: Wait("collective", "0", 3)}
+    issued = {0: counts({"0": 2}, recv_1=1), 1: counts({"0": 3})}
+    assert prove(waits, issued, set(), MEMBERS) == {0: {1}, 1: {0}}
+    # Ranks that both send first (gloo's send waits for the receive).
+    sends = {0: Wait("send", "0", 1, peer=1, tag=0), 1: Wait("send", "0", 1, peer=0, tag=0)}
+    issued = {0: counts(send_1=1), 1: counts(send_0=1)}
+    assert prove(sends, issued, set(), MEMBERS) == {0: {1}, 1: {0}}
+
+
 def test_a_returned_peer_proves_a_receive_only_if_it_never_sent_it():
     waits = {0: Wait("recv", "0", 2, peer=1, tag=0)}
     assert prove(waits, {0: counts(recv_1=2), 1: counts(send_0=1)}, {1}, MEMBERS) == {0: {1}}
