@@ -322,6 +322,8 @@ def correct_point_to_point_and_collectives():
         dist.recv(t, 0)
         dist.send(torch.ones(2), 0)
     group = dist.new_group([0, 1])
+    if rank == 1:
+        time.sleep(1.2)  # still, but not waiting: rank 0's wait on the subgroup can complete
     dist.all_reduce(t, group=group)
     dist.all_reduce(t)
     dist.gather(t, [torch.zeros(2) for _ in range(world)] if rank == 0 else None, dst=0)
