@@ -196,6 +196,34 @@ def describe_need(rank: int, wait: Wait, need: set[int], counts: Mapping[int, Co
     return "; ".join(parts)
 
 
+def report(
+    needs: Mapping[int, set[int]],
+    waits: Mapping[int, Wait],
+    counts: Mapping[int, Counts],
+    positions: Mapping[int, str],
+    returned: list[int],
+    world_size: int,
+) -> tuple[str, str]:
+    """The headline and message of a proven deadlock: each rank's wait (``positions``: how the
+    hang report shows it) and what it needs, the returned ranks it needs, and what to do."""
+    ranks = sorted(needs)
+    words = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    headline = (
+        f"{words} of {world_size} {'waits' if len(ranks) == 1 else 'wait'} in calls that can "
+        "never complete"
+    )
+    lines = [
+        f"  rank {r}: {positions[r]}; needs {describe_need(r, waits[r], needs[r], counts)}"
+        for r in ranks
+    ]
+    lines += [f"  rank {r}: returned" for r in returned]
+    why = (
+        "Proven from the ranks' waits (each needs a call from a rank that is itself blocked or "
+        "returned), not timed. " + advice(list(waits.values()), bool(returned))
+    )
+    return headline, f"{headline}.\n" + "\n".join(lines) + "\n" + why
+
+
 def advice(waits: list[Wait], returned: bool) -> str:
     """What to do, by the kinds of wait in the proof."""
     kinds = {wait.kind for wait in waits}

@@ -120,6 +120,7 @@ class HangMonitor:
         self.stalled: set[int] = set()
         self.stragglers = StragglerWatch()
         self._done = False
+        self._new_beats = False  # a heartbeat or result since the last proof attempt
         stall = STALL_AFTER_S
         if self.hang_timeout is not None:
             stall = min(stall, self.hang_timeout / 2)
@@ -129,6 +130,7 @@ class HangMonitor:
 
     def on_event(self, run: RunContext, event: dict[str, Any]) -> None:
         kind = event["kind"]
+        self._new_beats = self._new_beats or kind in ("heartbeat", "result")
         if kind == "heartbeat":
             self.beats[event["rank"]] = _Beat(event, run.now())  # type: ignore[arg-type]
         elif kind == "result":
@@ -277,9 +279,12 @@ class HangMonitor:
 
     def _proven(self, run: RunContext, now: float) -> RootCause | None:
         """Ranks wait on one another in calls none can complete (see :mod:`deadlock`)."""
+        if not self._new_beats:
+            return None  # nothing new to prove from (a deferred proof keeps its flag)
         running = {r: self.beats[r].event for r in self._running(run)}
         finals = {r: b.event if b else None for r, b in self.final_beat.items()}
         needs = deadlock.prove_from_beats(running, finals)  # type: ignore[arg-type]
+        self._new_beats = bool(needs)
         if not needs:
             return None
         counts = {r: deadlock.counts_of(e) for r, e in {**finals, **running}.items() if e}
@@ -294,24 +299,16 @@ class HangMonitor:
             return None  # _returned_while_waiting says it better (set_trigger, DDP's join)
         for rank in needs:
             self._stall(run, rank, self.beats[rank])
-        ranks = sorted(needs)
-        headline = (
-            f"{_rank_words(ranks)} of {self.world_size} "
-            f"{'waits' if len(ranks) == 1 else 'wait'} in calls that can never complete"
+        positions = {r: self.beats[r].position() for r in needs}
+        headline, message = deadlock.report(
+            needs,
+            waits,
+            counts,
+            positions,
+            returned,
+            self.world_size,  # type: ignore[arg-type]
         )
-        lines = [
-            f"  rank {r}: {self.beats[r].position()}; needs "
-            f"{deadlock.describe_need(r, waits[r], needs[r], counts)}"  # type: ignore[arg-type]
-            for r in ranks
-        ]
-        lines += [f"  rank {r}: returned" for r in returned]
-        why = (
-            "Proven from the ranks' waits (each needs a call from a rank that is itself "
-            "blocked or returned), not timed. "
-            + deadlock.advice([w for w in waits.values() if w], bool(returned))
-        )
-        message = f"{headline}.\n" + "\n".join(lines) + "\n" + why
-        return self._root(run, ranks[0], headline, message, now)
+        return self._root(run, min(needs), headline, message, now)
 
     def _no_progress(self, run: RunContext, now: float) -> RootCause | None:
         """Nothing moved for ``hang_timeout`` seconds and some rank waits in a collective."""
