@@ -16,7 +16,7 @@ prints readably.
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal, Protocol, TypedDict
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 
 class RunState(str, enum.Enum):
@@ -86,6 +86,21 @@ class Heartbeat(TypedDict):
     still_s: float  # seconds since the main thread last made visible progress
     in_flight: InFlightInfo | None  # the collective the rank waits in, when it waits in one
     groups: dict[str, int]  # process group name -> number of its last collective issued
+    # The point-to-point request the task waits on, the operations posted as
+    # [direction, group, peer, tag, count], and each group's global ranks (nblaunch.ranks.waits).
+    p2p_wait: NotRequired[PointToPoint | None]
+    p2p_posted: NotRequired[list[list[Any]]]
+    members: NotRequired[dict[str, list[int]]]
+
+
+class PointToPoint(TypedDict):
+    """A point-to-point operation a rank posted: its number among the same posts to that peer."""
+
+    op: str  # "send" or "recv"
+    group: str  # process group name; "0" is the default group
+    peer: int  # global rank; -1 for a receive from any source
+    tag: int | None  # None where the backend ignores tags (not gloo)
+    n: int  # 1 for the first operation of this direction, group, peer and tag
 
 
 class InFlightInfo(TypedDict):

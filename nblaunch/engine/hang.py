@@ -6,7 +6,12 @@ names the rank and line:
 
 * a rank returned while another waits in a collective it never called (ranks left a loop at
   different steps): reported about a second after the rank returned;
-* nothing moved on any rank for ``hang_timeout`` seconds while ranks wait in collectives:
+* ranks wait on one another in calls none of them can complete (collectives of different
+  groups, receives from each other, a receive from a rank that returned): proven from their
+  waits (:mod:`nblaunch.engine.deadlock`) about a second after the last one began waiting,
+  whatever ``hang_timeout`` is;
+* nothing moved on any rank for ``hang_timeout`` seconds while ranks wait (collectives or
+  point-to-point):
   every rank's position and stack, and the rank outside any collective that the others wait
   for, if there is one.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nblaunch.engine import deadlock
 from nblaunch.engine.monitor import RunContext
 from nblaunch.engine.source_lines import cell_names, with_source
 from nblaunch.engine.stragglers import StragglerWatch
@@ -33,6 +39,9 @@ from nblaunch.ranks import process_groups
 # have been still this long after it.
 FINISHED_GRACE_S = 1.0
 FINISHED_GRACE_UNSURE_S = 2.0
+# A proven hang of collectives only, on a rank that returned, is left this long to the report
+# made for that case (_returned_while_waiting), then reported as proven.
+DEFER_TO_RETURNED_S = FINISHED_GRACE_UNSURE_S + 1.0
 # Mark a rank STALLED after it waited this long in one collective (or hang_timeout / 2).
 STALL_AFTER_S = 5.0
 # A rank without a heartbeat for this long is reported as silent.
@@ -68,12 +77,17 @@ class _Beat:
     def position(self) -> str:
         event = self.event
         where = with_source(event["where"])
+        p2p = event.get("p2p_wait")
+        if event["collective"] and p2p:
+            wait = deadlock.Wait(p2p["op"], p2p["group"], p2p["n"], p2p["peer"], p2p["tag"])
+            return f"in {event['collective']} ({deadlock.describe_wait(wait)}) at {where}"
         if event["collective"]:
             group, seq = self.waiting_for()
             number = f"collective #{seq}" if seq else ""
             in_flight = event.get("in_flight")
             if number and group != process_groups.DEFAULT_GROUP:
                 desc = (in_flight or {}).get("group_desc") or group
+                desc = group if desc == "undefined" else desc  # new_group() without a name
                 number += f" of subgroup {desc}"
             if in_flight and in_flight.get("shapes"):
                 number += f", shapes {in_flight['shapes']}"
@@ -106,6 +120,7 @@ class HangMonitor:
         self.stalled: set[int] = set()
         self.stragglers = StragglerWatch()
         self._done = False
+        self._new_beats = False  # a heartbeat or result since the last proof attempt
         stall = STALL_AFTER_S
         if self.hang_timeout is not None:
             stall = min(stall, self.hang_timeout / 2)
@@ -115,6 +130,7 @@ class HangMonitor:
 
     def on_event(self, run: RunContext, event: dict[str, Any]) -> None:
         kind = event["kind"]
+        self._new_beats = self._new_beats or kind in ("heartbeat", "result")
         if kind == "heartbeat":
             self.beats[event["rank"]] = _Beat(event, run.now())  # type: ignore[arg-type]
         elif kind == "result":
@@ -137,7 +153,11 @@ class HangMonitor:
         # A stalled rank is the stronger signal; a straggler report would only distract.
         if not self.stalled and self.stragglers.due(now):
             self._publish_straggler(run, final=False)
-        root = self._returned_while_waiting(run, now) or self._no_progress(run, now)
+        root = (
+            self._returned_while_waiting(run, now)
+            or self._proven(run, now)
+            or self._no_progress(run, now)
+        )
         if root is not None:
             self._done = True
         return root
@@ -204,6 +224,8 @@ class HangMonitor:
             beat = self.beats.get(rank)
             if beat is None or not beat.in_collective or beat.received <= last_return:
                 continue
+            if (beat.event.get("p2p_wait") or {}).get("peer", -1) >= 0:
+                continue  # point-to-point with a known peer: proven from its posts (_proven)
             group, seq = beat.waiting_for()
             finals = [self._final_issued(r, group) for r in self.returned]
             if seq is not None and all(s is not None for s in finals):
@@ -254,6 +276,39 @@ class HangMonitor:
                 "`with model.join():`."
             )
         return self._root(run, first, headline, message, now, exited=first in self.exited)
+
+    def _proven(self, run: RunContext, now: float) -> RootCause | None:
+        """Ranks wait on one another in calls none can complete (see :mod:`deadlock`)."""
+        if not self._new_beats:
+            return None  # nothing new to prove from (a deferred proof keeps its flag)
+        running = {r: self.beats[r].event for r in self._running(run)}
+        finals = {r: b.event if b else None for r, b in self.final_beat.items()}
+        needs = deadlock.prove_from_beats(running, finals)  # type: ignore[arg-type]
+        self._new_beats = bool(needs)
+        if not needs:
+            return None
+        counts = {r: deadlock.counts_of(e) for r, e in {**finals, **running}.items() if e}
+        waits = {r: deadlock.wait_of(running[r]) for r in needs}
+        returned = sorted({r for need in needs.values() for r in need} & set(self.returned))
+        collectives_only = all(w is not None and w.kind == "collective" for w in waits.values())
+        if (
+            returned
+            and collectives_only
+            and now - max(self.returned.values()) < DEFER_TO_RETURNED_S
+        ):
+            return None  # _returned_while_waiting says it better (set_trigger, DDP's join)
+        for rank in needs:
+            self._stall(run, rank, self.beats[rank])
+        positions = {r: self.beats[r].position() for r in needs}
+        headline, message = deadlock.report(
+            needs,
+            waits,
+            counts,
+            positions,
+            returned,
+            self.world_size,  # type: ignore[arg-type]
+        )
+        return self._root(run, min(needs), headline, message, now)
 
     def _no_progress(self, run: RunContext, now: float) -> RootCause | None:
         """Nothing moved for ``hang_timeout`` seconds and some rank waits in a collective."""

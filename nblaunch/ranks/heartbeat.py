@@ -27,7 +27,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from nblaunch.events import Heartbeat, InFlightInfo
-from nblaunch.ranks import process_groups, worker
+from nblaunch.ranks import process_groups, waits, worker
 from nblaunch.ranks.worker import RankContext, add_task_hook, emit
 
 if TYPE_CHECKING:
@@ -44,6 +44,9 @@ MAX_STACK_CHARS = 20_000
 # flight waits in it, even with no torch.distributed frame on its stack (DDP's backward, FSDP's
 # hooks and work.wait() wait in C++).
 NATIVE_WAIT_AFTER_S = 0.5
+# A task thread still in a wait this long gets a heartbeat at once, not at the next second: the
+# watchdog proves deadlocks from the ranks' waits (nblaunch.engine.deadlock) within 2 s.
+WAIT_BEATS_S = (0.3, 1.0)
 
 
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
@@ -302,6 +305,8 @@ class HeartbeatThread:
         self._beat_output = 0.0
         self._last_beat = self._started
         self._described: InFlightInfo | None = None  # the collective last described
+        self._counts = (0, 0)  # collectives issued on every group, point-to-point posts
+        self._wait_beat = (0.0, 0)  # (still since, how many of WAIT_BEATS_S) last sent early
 
     def start(self) -> None:
         self._output.install()
@@ -322,11 +327,21 @@ class HeartbeatThread:
             while not self._stop.wait(self.sample_interval):
                 now = time.monotonic()
                 self.sample(now)
-                if now - self._last_beat >= self.interval:
+                if now - self._last_beat >= self.interval or self._wait_beat_due(now):
                     self._last_beat = now
                     self.send(self._heartbeat(now))
         except Exception:
             pass  # the parent went away (broken pipe): nothing left to report to
+
+    def _wait_beat_due(self, now: float) -> bool:
+        """True once per step of ``WAIT_BEATS_S`` the task thread spends still in a wait."""
+        if self._position.collective is None and waits.waiting(self.target) is None:
+            return False
+        stage = sum(now - self._last_moved >= after for after in WAIT_BEATS_S)
+        if stage == 0 or (self._last_moved, stage) <= self._wait_beat:
+            return False
+        self._wait_beat = (self._last_moved, stage)
+        return True
 
     def sample(self, now: float) -> None:
         """Look at the target thread once; add the time since the last sample to its state."""
@@ -354,11 +369,15 @@ class HeartbeatThread:
         output = self._output.last
         # Between two samples the thread may have moved and come back; these catch that: a new
         # collective issued, output written, or real computing outside collectives.
-        if seq != self._seq:  # issued between two beats: still at most since the last beat
+        counts = (sum(issued for issued, _ in (groups or {}).values()), waits.posted_total())
+        if seq != self._seq or counts != self._counts:
+            # issued between two beats: still at most since the last beat
             self._last_moved = max(self._last_moved, self._checked_at)
+        self._counts = counts
         if output != self._beat_output:
             self._last_moved = max(self._last_moved, now - max(0.0, time.time() - output))
-        if busy_cpu and self._position.collective is None:
+        waiting = self._position.collective or waits.waiting(self.target)
+        if busy_cpu and not waiting:
             self._last_moved = now
         self._seq, self._cpu, self._checked_at, self._beat_output = seq, cpu, now, output
         position = self._position
@@ -366,7 +385,12 @@ class HeartbeatThread:
         in_flight = None
         collective = position.collective
         pending = process_groups.pending(groups)
-        if not final and pending and (collective or still_s >= NATIVE_WAIT_AFTER_S):
+        proof = waits.heartbeat_fields(self.target)
+        if final:
+            proof["p2p_wait"] = None
+        elif proof["p2p_wait"] is not None:
+            collective = waits.label(proof["p2p_wait"], collective)
+        elif pending and (collective or still_s >= NATIVE_WAIT_AFTER_S):
             in_flight = self._in_flight(pending, collective)
             collective = in_flight["label"]
         stack = ""
@@ -389,6 +413,7 @@ class HeartbeatThread:
             "still_s": still_s,
             "in_flight": in_flight,
             "groups": {name: issued for name, (issued, _) in (groups or {}).items()},
+            **proof,  # type: ignore[typeddict-item]
         }
 
     def _in_flight(self, pending: tuple[str, int], called: str | None) -> InFlightInfo:

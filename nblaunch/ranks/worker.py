@@ -62,6 +62,7 @@ RANK_FEATURES = (
     "nblaunch.ranks.fingerprints",
     "nblaunch.ranks.debug_patches",
     "nblaunch.ranks.batch_size",
+    "nblaunch.ranks.waits",
     "nblaunch.ranks.heartbeat",
     "nblaunch.ranks.debugger",
 )
