@@ -1,11 +1,13 @@
-"""Metrics from every rank: ``log_metrics`` in ranks, ``metrics.jsonl``, charts, frameworks."""
+"""Metrics from every rank: ``log_metrics`` in ranks, ``metrics.jsonl``, charts.
+
+The frameworks' own loss (Transformers' Trainer, Lightning) reaching the charts is checked in
+``compat/test_compat.py``, on the runs it compares with torchrun.
+"""
 
 from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 from conftest import WIDGET_VIEW
@@ -13,8 +15,6 @@ from conftest import WIDGET_VIEW
 from nblaunch import load_metrics, log_metrics, notebook_launcher
 from nblaunch.notebook.charts import MAX_POINTS, MetricSeries, render_svg, series_from
 from nblaunch.notebook.views import LaunchView
-
-COMPAT = Path(__file__).parent / "compat"
 
 
 def launch(function, args=(), **kwargs):
@@ -108,26 +108,6 @@ def test_the_static_summary_carries_the_charts():
     bundle = view.summary_bundle()
     assert "<svg" in bundle["text/html"] and "<polyline" in bundle["text/html"]
     assert "metrics: loss" in bundle["text/plain"]
-
-
-@pytest.mark.parametrize("framework", ["transformers_trainer", "lightning_trainer"])
-def test_one_line_charts_a_frameworks_logged_loss_on_every_rank(framework, tmp_path):
-    pytest.importorskip("transformers" if framework.startswith("transformers") else "lightning")
-    sys.path.insert(0, str(COMPAT))
-    try:
-        import workloads
-
-        kwargs = {"metrics": True}
-        if framework == "transformers_trainer":
-            kwargs["output_dir"] = str(tmp_path / "out")
-        launch(getattr(workloads, framework), kwargs=kwargs, run_dir=tmp_path / "run")
-    finally:
-        sys.path.remove(str(COMPAT))
-    rows = load_metrics(tmp_path / "run")
-    table = rows if isinstance(rows, list) else rows.to_dict("records")
-    name = "loss" if framework == "transformers_trainer" else "train_loss"
-    ranks = {r["rank"] for r in table if r["name"] == name}
-    assert ranks == {0, 1}, sorted({r["name"] for r in table})
 
 
 CHART_NOTEBOOK = [
