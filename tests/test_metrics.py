@@ -110,41 +110,18 @@ def test_the_static_summary_carries_the_charts():
     assert "metrics: loss" in bundle["text/plain"]
 
 
-CHART_NOTEBOOK = [
-    "import nblaunch\n"
-    "def train():\n"
-    "    import time\n"
-    "    for step in range(20):\n"
-    "        nblaunch.log_metrics({'loss': 1 / (step + 1)})\n"
-    "        time.sleep(0.02)\n",
-    "nblaunch.notebook_launcher(train, num_processes=2, device_type='cpu')",
-]
-
-
-def test_a_notebook_saved_without_widget_state_keeps_the_charts(tmp_path):
-    import nbformat
-    from nbclient import NotebookClient
-
-    notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in CHART_NOTEBOOK]
-    NotebookClient(
-        notebook,
-        timeout=180,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-        store_widget_state=False,
-    ).execute()
-    path = tmp_path / "charts.ipynb"
-    nbformat.write(notebook, path)
-    saved = nbformat.read(path, as_version=4)
+def test_a_notebook_saved_without_widget_state_keeps_the_charts(widgetless_notebook):
+    _, cells = widgetless_notebook  # conftest.WIDGETLESS_CELLS, run in one kernel
+    charted = cells["charted"]
+    assert not [out for out in charted.outputs if out.output_type == "error"]
     static = [
         out.data["text/html"]
-        for out in saved.cells[1].outputs
+        for out in charted.outputs
         if out.output_type == "display_data"
         and WIDGET_VIEW not in out.data
         and "text/html" in out.data
     ]
-    assert static and "<svg" in static[-1], [o.output_type for o in saved.cells[1].outputs]
+    assert static and "<svg" in static[-1], [o.output_type for o in charted.outputs]
     assert len(re.findall("<polyline", static[-1])) == 2  # one line per rank
 
 
