@@ -94,15 +94,19 @@ def test_dataloader_workers_start_as_under_torchrun(torchrun, tmp_path):
 # --- Transformers, Lightning --------------------------------------------------------------------
 
 
-def test_transformers_trainer_trains_as_under_torchrun_and_charts_its_loss(torchrun, tmp_path):
+def test_transformers_trainer_trains_as_under_torchrun_and_charts_its_loss(
+    torchrun, tmp_path, monkeypatch
+):
     pytest.importorskip("transformers")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)  # nblaunch sets it for CPU ranks
     # default TrainingArguments, no use_cpu; with nblaunch's TrainerMetrics callback (torchrun's
     # run has none: the same numbers also say the callback leaves training as it was)
     ours = launch("transformers_trainer", tmp_path, tmp_path / "run", metrics=True)
     assert_each_rank_logged(tmp_path / "run", "loss")
-    assert [(r["parallel_mode"], r["world_size"]) for r in ours] == [
-        ("ParallelMode.DISTRIBUTED", 2)
-    ] * 2
+    assert [(r["parallel_mode"], r["world_size"], r["process_index"]) for r in ours] == [
+        ("ParallelMode.DISTRIBUTED", 2, 0),
+        ("ParallelMode.DISTRIBUTED", 2, 1),
+    ]
     assert ours[0]["weights"] == ours[1]["weights"]
     assert compared(ours) == compared(torchrun("transformers_trainer"))
 
