@@ -195,3 +195,63 @@ def load_run_notebook():
     sys.modules["run_notebook"] = module
     spec.loader.exec_module(module)
     return module
+
+
+# One notebook, saved without widget state (as GitHub, nbviewer or a colleague's Lab shows it),
+# run in one kernel for two tests: test_launcher reads each rank's last lines in the first two
+# cells, test_metrics the charts in the last.
+WIDGETLESS_CELLS = {
+    "trained": "from nblaunch import notebook_launcher\n"
+    "\n"
+    "def train(steps):\n"
+    "    from tqdm import tqdm\n"
+    "    import nblaunch\n"
+    "    rank = nblaunch.rank()\n"
+    "    bar = tqdm(total=steps)  # as the Trainer's progress callback does\n"
+    "    for step in range(steps):\n"
+    "        bar.update()\n"
+    "        bar.write(str({'loss': round(1 / (step + 1 + rank), 4), 'epoch': step}))\n"
+    "    bar.close()\n"
+    "    print(f'rank {rank} done')\n"
+    "    return rank * 10\n"
+    "\n"
+    "notebook_launcher(train, (30,), 2)\n",
+    "failed": "def fail():\n"
+    "    import nblaunch\n"
+    "    print(f'rank {nblaunch.rank()} about to fail')\n"
+    "    if nblaunch.rank() == 1:\n"
+    "        raise ValueError('boom on rank 1')\n"
+    "\n"
+    "notebook_launcher(fail, (), 2)\n",
+    "charted": "import nblaunch\n"
+    "def chart():\n"
+    "    import time\n"
+    "    for step in range(20):\n"
+    "        nblaunch.log_metrics({'loss': 1 / (step + 1)})\n"
+    "        time.sleep(0.02)\n"
+    "nblaunch.notebook_launcher(chart, num_processes=2, device_type='cpu')",
+}
+
+
+@pytest.fixture(scope="session")
+def widgetless_notebook(tmp_path_factory):
+    """``WIDGETLESS_CELLS`` run by nbclient without widget state, saved and read back: the
+    notebook and its cells by name."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    directory = tmp_path_factory.mktemp("widgetless")
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in WIDGETLESS_CELLS.values()]
+    NotebookClient(
+        notebook,
+        timeout=180,
+        kernel_name="python3",
+        allow_errors=True,  # the "failed" cell fails; the others are checked to have not
+        resources={"metadata": {"path": str(directory)}},
+        store_widget_state=False,
+    ).execute()
+    path = directory / "widgetless.ipynb"
+    nbformat.write(notebook, path)
+    saved = nbformat.read(path, as_version=4)
+    return saved, dict(zip(WIDGETLESS_CELLS, saved.cells, strict=True))

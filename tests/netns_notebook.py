@@ -70,8 +70,8 @@ def short_ddp() -> int:
 def fail_on_rank_0() -> int:
     import torch.distributed as dist
 
+    dist.barrier()  # the other node's rank is running by now
     if dist.get_rank() == 0:
-        time.sleep(3.0)  # the other node's ranks are running by now
         raise ValueError("boom on the notebook's rank")
     time.sleep(60)
     return 1

@@ -1,7 +1,9 @@
 """Code written for torchrun, the PyTorch DDP tutorial, Accelerate and Transformers, unchanged.
 
 Real rank processes (CPU, gloo, 2 ranks) under ``notebook_launcher`` and ``nblaunch run``; the
-tutorial in ``%%distributed`` cells, one-shot and on the pool, is in ``test_magics.py``.
+tutorial in ``%%distributed`` cells, one-shot and on the pool, is in ``test_magics.py``; a
+Transformers ``Trainer`` with default arguments (no ``ACCELERATE_USE_CPU`` in the caller's
+environment) training on both CPU ranks is in ``compat/test_compat.py``.
 """
 
 from __future__ import annotations
@@ -225,33 +227,3 @@ def test_accelerates_own_test_ops_pass_under_nblaunchs_debug_launcher(monkeypatc
     assert "DistributedType.MULTI_CPU" in out and "testing sending tensors across devices" in out
     # The view's header says what was set, and why.
     assert "nblaunch: CPU ranks: ACCELERATE_USE_CPU=1 set so Accelerate and Transformers" in out
-
-
-def train_a_tiny_gpt2(output_dir):
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self):
-            return 16
-
-        def __getitem__(self, i):
-            ids = torch.arange(i, i + 8) % 100
-            return {"input_ids": ids, "labels": ids}
-
-    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
-    args = TrainingArguments(
-        output_dir=output_dir, max_steps=3, report_to=[], save_strategy="no", disable_tqdm=True
-    )
-    Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens()).train()
-    return args.parallel_mode.name, args.world_size, args.process_index
-
-
-def test_a_transformers_trainer_with_default_arguments_trains_on_both_cpu_ranks(
-    tmp_path, monkeypatch
-):
-    pytest.importorskip("transformers")
-    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
-    assert launch(train_a_tiny_gpt2, (str(tmp_path / "out"),)) == [
-        ("DISTRIBUTED", 2, 0),
-        ("DISTRIBUTED", 2, 1),
-    ]

@@ -782,52 +782,11 @@ def test_in_a_kernel_each_remote_frame_shows_its_own_cell_lines(kernel):
     assert "----> 4     return total / (len(values) - len(values))" in text
 
 
-TRAINER_NOTEBOOK = [
-    "from nblaunch import notebook_launcher\n"
-    "\n"
-    "def train(steps):\n"
-    "    from tqdm import tqdm\n"
-    "    import nblaunch\n"
-    "    rank = nblaunch.rank()\n"
-    "    bar = tqdm(total=steps)  # as the Trainer's progress callback does\n"
-    "    for step in range(steps):\n"
-    "        bar.update()\n"
-    "        bar.write(str({'loss': round(1 / (step + 1 + rank), 4), 'epoch': step}))\n"
-    "    bar.close()\n"
-    "    print(f'rank {rank} done')\n"
-    "    return rank * 10\n"
-    "\n"
-    "notebook_launcher(train, (30,), 2)\n",
-    "def fail():\n"
-    "    import nblaunch\n"
-    "    print(f'rank {nblaunch.rank()} about to fail')\n"
-    "    if nblaunch.rank() == 1:\n"
-    "        raise ValueError('boom on rank 1')\n"
-    "\n"
-    "notebook_launcher(fail, (), 2)\n",
-]
-
-
 @pytest.mark.slow
-def test_a_notebook_saved_without_widget_state_keeps_each_ranks_last_lines(tmp_path):
-    import nbformat
+def test_a_notebook_saved_without_widget_state_keeps_each_ranks_last_lines(widgetless_notebook):
     from conftest import WIDGET_VIEW
-    from nbclient import NotebookClient
 
-    notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in TRAINER_NOTEBOOK]
-    path = tmp_path / "trainer.ipynb"
-    client = NotebookClient(
-        notebook,
-        timeout=180,
-        kernel_name="python3",
-        allow_errors=True,
-        resources={"metadata": {"path": str(tmp_path)}},
-        store_widget_state=False,  # as GitHub, nbviewer or a colleague's Lab would see it
-    )
-    client.execute()
-    nbformat.write(notebook, path)
-    saved = nbformat.read(path, as_version=4)
+    saved, cells = widgetless_notebook  # conftest.WIDGETLESS_CELLS, run in one kernel
     assert "widgets" not in saved.metadata
 
     def shown(cell, mime):
@@ -840,7 +799,8 @@ def test_a_notebook_saved_without_widget_state_keeps_each_ranks_last_lines(tmp_p
             and mime in out.data
         )
 
-    trained, failed = saved.cells  # (a live view too, when the run lasted past 0.2 s)
+    trained, failed = cells["trained"], cells["failed"]  # (a live view too, past 0.2 s)
+    assert not [out for out in trained.outputs if out.output_type == "error"]
     text, page = shown(trained, "text/plain"), shown(trained, "text/html")
     assert "nblaunch: finished in " in text
     assert "rank 0: DONE · returned 0" in text and "rank 1: DONE · returned 10" in text

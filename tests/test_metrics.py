@@ -1,11 +1,13 @@
-"""Metrics from every rank: ``log_metrics`` in ranks, ``metrics.jsonl``, charts, frameworks."""
+"""Metrics from every rank: ``log_metrics`` in ranks, ``metrics.jsonl``, charts.
+
+The frameworks' own loss (Transformers' Trainer, Lightning) reaching the charts is checked in
+``compat/test_compat.py``, on the runs it compares with torchrun.
+"""
 
 from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 from conftest import WIDGET_VIEW
@@ -13,8 +15,6 @@ from conftest import WIDGET_VIEW
 from nblaunch import load_metrics, log_metrics, notebook_launcher
 from nblaunch.notebook.charts import MAX_POINTS, MetricSeries, render_svg, series_from
 from nblaunch.notebook.views import LaunchView
-
-COMPAT = Path(__file__).parent / "compat"
 
 
 def launch(function, args=(), **kwargs):
@@ -110,61 +110,18 @@ def test_the_static_summary_carries_the_charts():
     assert "metrics: loss" in bundle["text/plain"]
 
 
-@pytest.mark.parametrize("framework", ["transformers_trainer", "lightning_trainer"])
-def test_one_line_charts_a_frameworks_logged_loss_on_every_rank(framework, tmp_path):
-    pytest.importorskip("transformers" if framework.startswith("transformers") else "lightning")
-    sys.path.insert(0, str(COMPAT))
-    try:
-        import workloads
-
-        kwargs = {"metrics": True}
-        if framework == "transformers_trainer":
-            kwargs["output_dir"] = str(tmp_path / "out")
-        launch(getattr(workloads, framework), kwargs=kwargs, run_dir=tmp_path / "run")
-    finally:
-        sys.path.remove(str(COMPAT))
-    rows = load_metrics(tmp_path / "run")
-    table = rows if isinstance(rows, list) else rows.to_dict("records")
-    name = "loss" if framework == "transformers_trainer" else "train_loss"
-    ranks = {r["rank"] for r in table if r["name"] == name}
-    assert ranks == {0, 1}, sorted({r["name"] for r in table})
-
-
-CHART_NOTEBOOK = [
-    "import nblaunch\n"
-    "def train():\n"
-    "    import time\n"
-    "    for step in range(20):\n"
-    "        nblaunch.log_metrics({'loss': 1 / (step + 1)})\n"
-    "        time.sleep(0.02)\n",
-    "nblaunch.notebook_launcher(train, num_processes=2, device_type='cpu')",
-]
-
-
-def test_a_notebook_saved_without_widget_state_keeps_the_charts(tmp_path):
-    import nbformat
-    from nbclient import NotebookClient
-
-    notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in CHART_NOTEBOOK]
-    NotebookClient(
-        notebook,
-        timeout=180,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-        store_widget_state=False,
-    ).execute()
-    path = tmp_path / "charts.ipynb"
-    nbformat.write(notebook, path)
-    saved = nbformat.read(path, as_version=4)
+def test_a_notebook_saved_without_widget_state_keeps_the_charts(widgetless_notebook):
+    _, cells = widgetless_notebook  # conftest.WIDGETLESS_CELLS, run in one kernel
+    charted = cells["charted"]
+    assert not [out for out in charted.outputs if out.output_type == "error"]
     static = [
         out.data["text/html"]
-        for out in saved.cells[1].outputs
+        for out in charted.outputs
         if out.output_type == "display_data"
         and WIDGET_VIEW not in out.data
         and "text/html" in out.data
     ]
-    assert static and "<svg" in static[-1], [o.output_type for o in saved.cells[1].outputs]
+    assert static and "<svg" in static[-1], [o.output_type for o in charted.outputs]
     assert len(re.findall("<polyline", static[-1])) == 2  # one line per rank
 
 

@@ -332,8 +332,8 @@ def _contract(port):
     return {k: os.environ[k] for k in keys}, total.item(), other_address_answers
 
 
-@pytest.mark.slow
-def test_two_nodes_run_and_return_every_ranks_value(nodes):
+# Not marked slow: it took over the display="none" checks that `make test-fast` runs.
+def test_two_nodes_run_and_return_every_ranks_value(nodes, capfd):
     handler_before = signal.getsignal(signal.SIGINT)
     joiner = nodes.start_joiner()  # before the notebook: it waits for the endpoint to answer
     results = notebook_launcher(
@@ -362,6 +362,14 @@ def test_two_nodes_run_and_return_every_ranks_value(nodes):
     numbered = [line for line in log if line.startswith("line ")]
     assert numbered == [f"line {i}" for i in range(LINES)]
     assert signal.getsignal(signal.SIGINT) is handler_before
+    # With display="none" the join command goes to stderr and the nodes' log.
+    err = capfd.readouterr().err
+    assert "nblaunch: waiting for 1 more node(s)" in err
+    assert f"python -m nblaunch join {nodes.endpoint} --run-id {nodes.run_id}" in err
+    assert "NBLAUNCH_RUN_SECRET=" in err  # what the other node needs, where it can be read
+    log = (nodes.run_dir / "nodes.log").read_text()
+    assert f"--run-id {nodes.run_id}" in log and "node 1 started" in log
+    assert "NBLAUNCH_RUN_SECRET=<the run's secret>" in log  # the secret stays out of files
     assert not port_answers(HEAD, nodes.port), "the rendezvous port is still open"
     assert wait_until(lambda: not rank_children(), 5)
 
@@ -577,20 +585,3 @@ def test_a_run_id_that_cannot_name_a_run_is_refused(bad):
         notebook_launcher(
             print, num_processes=1, num_nodes=2, rdzv_endpoint=f"{HEAD}:{free_port()}", rdzv_id=bad
         )
-
-
-def _one():
-    return 1
-
-
-def test_with_display_none_the_join_command_goes_to_stderr_and_the_log(nodes, capfd):
-    joiner = nodes.start_joiner()
-    assert nodes.launch(_one) == [1, 1]
-    assert joiner.wait(15) == 0, joiner.output()
-    err = capfd.readouterr().err
-    assert "nblaunch: waiting for 1 more node(s)" in err
-    assert f"python -m nblaunch join {nodes.endpoint} --run-id {nodes.run_id}" in err
-    assert "NBLAUNCH_RUN_SECRET=" in err  # what the other node needs, where it can be read
-    log = (nodes.run_dir / "nodes.log").read_text()
-    assert f"--run-id {nodes.run_id}" in log and "node 1 started" in log
-    assert "NBLAUNCH_RUN_SECRET=<the run's secret>" in log  # the secret stays out of files

@@ -82,33 +82,31 @@ def ending(notebook: Side, timeout: float) -> dict:
     return record
 
 
-def test_ranks_on_two_hosts_use_the_interface_that_reaches_the_endpoint(hosts):
-    """The hostname resolves to loopback on both hosts: left alone, gloo advertises 127.0.0.1
-    and the other host's rank cannot connect."""
-    notebook = hosts.notebook("short_ddp")
-    join = hosts.join()
-    end = ending(notebook, 120)
-    assert end == {"t": end["t"], "end": "returned", "results": [0, 1]}, notebook.output()
-    assert join.wait(15) == 0, join.output()
-    header = notebook.first(lambda r: r.get("kind") == "run_info")
-    assert header is not None
-    bridge, veth = hosts.net.links[0], hosts.net.links[1]
-    assert f"network: gloo and NCCL use {bridge} ({hosts.net.addresses[0]})" in str(header)
-    assert f"network: gloo and NCCL use {veth} ({hosts.net.addresses[1]})" in join.output()
-    assert f" at {hosts.net.addresses[1]} joined" in notebook.output()  # named by its address
-
-
-def test_three_hosts_run_ddp_and_each_join_names_its_own_interface(tmp_path):
+def test_three_hosts_train_through_a_link_drop_and_each_uses_the_interface_to_the_endpoint(
+    tmp_path,
+):
+    """The hostname resolves to loopback on every host: left alone, gloo advertises 127.0.0.1
+    and another host's rank cannot connect. One run also proves that a link down for two
+    seconds mid-training is not a failure (the node silence bound is 8 s)."""
     three = Hosts(tmp_path, count=3)
     try:
         notebook = three.notebook("short_ddp", num_nodes=3)
         joins = [three.join(1), three.join(2)]
+        training(notebook)
+        three.net.link(1, up=False)
+        time.sleep(2.0)
+        three.net.link(1, up=True)
         end = ending(notebook, 120)
-        assert end["end"] == "returned" and end["results"] == [0, 1, 2], notebook.output()
+        assert end == {"t": end["t"], "end": "returned", "results": [0, 1, 2]}, notebook.output()
+        header = notebook.first(lambda r: r.get("kind") == "run_info")
+        assert header is not None
+        bridge, address = three.net.links[0], three.net.addresses[0]
+        assert f"network: gloo and NCCL use {bridge} ({address})" in str(header)
         for host, join in enumerate(joins, start=1):
             assert join.wait(15) == 0, join.output()
             link, address = three.net.links[host], three.net.addresses[host]
             assert f"network: gloo and NCCL use {link} ({address})" in join.output()
+            assert f" at {address} joined" in notebook.output()  # named by its address
     finally:
         three.close()
 
@@ -134,18 +132,6 @@ def test_a_partitioned_node_is_named_on_both_sides_and_stops_its_own_ranks(hosts
     assert join.ended_at is not None and join.ended_at - fault < 15, join.output()
     assert notebook.wait(15) is not None
     assert wait_until(lambda: not alive(pids), 10), alive(pids)
-
-
-def test_a_link_that_drops_for_two_seconds_is_not_a_failure(hosts):
-    notebook = hosts.notebook("short_ddp")
-    join = hosts.join()
-    training(notebook)
-    hosts.net.link(1, up=False)
-    time.sleep(2.0)
-    hosts.net.link(1, up=True)
-    end = ending(notebook, 60)
-    assert end["end"] == "returned", notebook.output()
-    assert join.wait(15) == 0, join.output()
 
 
 def test_when_the_notebook_fails_after_the_start_every_join_says_why_at_once(hosts):

@@ -199,39 +199,50 @@ def test_each_real_training_failure_names_the_right_rank_in_seconds(scenarios, n
     assert_nothing_left()
 
 
-def ddp_gradients(comm_hook: str | None = None):
+COMM_HOOKS = (None, "user", "builtin")
+
+
+def ddp_gradients(comm_hooks=COMM_HOOKS):
+    """For each comm hook in turn, a fresh DDP model's gradients after 3 steps and how many
+    times a user's hook ran; each model is deleted before the next (as separate runs)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
-    calls = []
-    if comm_hook == "user":
+    results = []
+    for comm_hook in comm_hooks:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+        calls = []
+        if comm_hook == "user":
 
-        def counting_hook(state, bucket):
-            calls.append(bucket.index())
-            return default_hooks.allreduce_hook(state, bucket)
+            def counting_hook(state, bucket, calls=calls):
+                calls.append(bucket.index())
+                return default_hooks.allreduce_hook(state, bucket)
 
-        model.register_comm_hook(None, counting_hook)
-    elif comm_hook == "builtin":
-        model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
-    generator = torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(3):
-        model(torch.randn(8, 4, generator=generator)).sum().backward()
-    return [p.grad.flatten().tolist() for p in model.parameters()], len(calls)
+            model.register_comm_hook(None, counting_hook)
+        elif comm_hook == "builtin":
+            model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(3):
+            model(torch.randn(8, 4, generator=generator)).sum().backward()
+        results.append(([p.grad.flatten().tolist() for p in model.parameters()], len(calls)))
+        del model
+    return results
 
 
-@pytest.mark.parametrize("comm_hook", [None, "user", "builtin"])
-def test_checks_leave_ddp_gradients_and_a_users_comm_hook_as_they_were(comm_hook):
-    plain = launch(ddp_gradients, (comm_hook,), debug=False)  # DDP's own C++ all-reduce
-    default = launch(ddp_gradients, (comm_hook,))  # the out-of-band checks' hook
-    checked = launch(ddp_gradients, (comm_hook,), debug=True)
-    assert default == plain  # bit for bit
-    assert checked == plain
-    assert checked[0] == checked[1]
-    if comm_hook == "user":
-        assert [calls for _, calls in checked] == [3, 3]  # the user's hook still ran each step
+def test_checks_leave_ddp_gradients_and_a_users_comm_hook_as_they_were():
+    # One launch per mode, each running every comm hook on a model of its own.
+    plain = launch(ddp_gradients, debug=False)  # DDP's own C++ all-reduce
+    default = launch(ddp_gradients)  # the out-of-band checks' hook
+    checked = launch(ddp_gradients, debug=True)
+    for hook, comm_hook in enumerate(COMM_HOOKS):
+        by_rank = [checked[rank][hook] for rank in (0, 1)]
+        assert [default[rank][hook] for rank in (0, 1)] == [plain[rank][hook] for rank in (0, 1)]
+        assert by_rank == [plain[rank][hook] for rank in (0, 1)], comm_hook  # bit for bit
+        assert by_rank[0] == by_rank[1], comm_hook
+        if comm_hook == "user":
+            assert [calls for _, calls in by_rank] == [3, 3]  # the user's hook still ran each step
 
 
 def test_in_a_kernel_a_rank_that_left_a_ddp_loop_fails_the_cell_with_its_line(kernel):

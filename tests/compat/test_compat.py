@@ -16,7 +16,7 @@ import workloads
 from torchrun_reference import torchrun_reference
 from workloads import workload_kwargs
 
-from nblaunch import notebook_launcher
+from nblaunch import load_metrics, notebook_launcher
 
 pytestmark = pytest.mark.compat
 
@@ -31,7 +31,9 @@ def torchrun(tmp_path_factory):
     return torchrun_reference(tmp_path_factory)
 
 
-def launch(workload: str, directory: Path, **kwargs: Any) -> list[dict[str, Any]]:
+def launch(
+    workload: str, directory: Path, run_dir: Path | None = None, **kwargs: Any
+) -> list[dict[str, Any]]:
     """The workload's results by rank under ``notebook_launcher`` (2 CPU ranks)."""
     return notebook_launcher(
         getattr(workloads, workload),
@@ -40,11 +42,20 @@ def launch(workload: str, directory: Path, **kwargs: Any) -> list[dict[str, Any]
         device_type="cpu",
         display="none",
         timeout=LAUNCH_TIMEOUT_S,
+        run_dir=run_dir,
     )
 
 
 def compared(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in result.items() if k not in NOT_COMPARED} for result in results]
+
+
+def assert_each_rank_logged(run_dir: Path, name: str) -> None:
+    """nblaunch's callback or logger charted the framework's own loss on both ranks."""
+    rows = load_metrics(run_dir)
+    table = rows if isinstance(rows, list) else rows.to_dict("records")
+    ranks = {r["rank"] for r in table if r["name"] == name}
+    assert ranks == {0, 1}, sorted({r["name"] for r in table})
 
 
 def assert_trained_in_step(results: list[dict[str, Any]]) -> None:
@@ -83,19 +94,28 @@ def test_dataloader_workers_start_as_under_torchrun(torchrun, tmp_path):
 # --- Transformers, Lightning --------------------------------------------------------------------
 
 
-def test_transformers_trainer_trains_as_under_torchrun(torchrun, tmp_path):
+def test_transformers_trainer_trains_as_under_torchrun_and_charts_its_loss(
+    torchrun, tmp_path, monkeypatch
+):
     pytest.importorskip("transformers")
-    ours = launch("transformers_trainer", tmp_path)  # default TrainingArguments, no use_cpu
-    assert [(r["parallel_mode"], r["world_size"]) for r in ours] == [
-        ("ParallelMode.DISTRIBUTED", 2)
-    ] * 2
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)  # nblaunch sets it for CPU ranks
+    # default TrainingArguments, no use_cpu; with nblaunch's TrainerMetrics callback (torchrun's
+    # run has none: the same numbers also say the callback leaves training as it was)
+    ours = launch("transformers_trainer", tmp_path, tmp_path / "run", metrics=True)
+    assert_each_rank_logged(tmp_path / "run", "loss")
+    assert [(r["parallel_mode"], r["world_size"], r["process_index"]) for r in ours] == [
+        ("ParallelMode.DISTRIBUTED", 2, 0),
+        ("ParallelMode.DISTRIBUTED", 2, 1),
+    ]
     assert ours[0]["weights"] == ours[1]["weights"]
     assert compared(ours) == compared(torchrun("transformers_trainer"))
 
 
-def test_lightning_trainer_ddp_trains_as_under_torchrun(torchrun, tmp_path):
+def test_lightning_trainer_ddp_trains_as_under_torchrun_and_charts_its_loss(torchrun, tmp_path):
     pytest.importorskip("lightning")
-    ours = launch("lightning_trainer", tmp_path)
+    # with nblaunch's LightningMetrics logger, which torchrun's run has not (as above)
+    ours = launch("lightning_trainer", tmp_path, tmp_path / "run", metrics=True)
+    assert_each_rank_logged(tmp_path / "run", "train_loss")
     assert [r["world_size"] for r in ours] == [2, 2]
     assert_trained_in_step(ours)
     assert compared(ours) == compared(torchrun("lightning_trainer"))
