@@ -32,19 +32,17 @@ from typing import Any
 from nblaunch.errors import DistributedOperationException
 from nblaunch.options import debug_from_env
 from nblaunch.ranks import fingerprints, worker
-from nblaunch.ranks.debug_report import digest, mismatch_message
+from nblaunch.ranks.debug_report import mismatch_message, record_of
 
 # Bytes each rank contributes to the verification all_gather; a record is ~200 bytes, and one
 # that does not fit lists fewer tensors (the comparison still uses digests of all of them).
 RECORD_BYTES = 2048
-# Tensors listed per rank in a record (the rest are summarised).
-MAX_LISTED = 16
-
 _CELL_FILE = re.compile(r"(ipykernel_\d+[/\\]\d+\.py$)|(^<ipython-input-\d+-)")
 # nblaunch's own frames, in any of its packages.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 _skipped_dirs: tuple[str, ...] | None = None  # the above and torch's, once torch is imported
+_Tensor: Any = None  # torch.Tensor, once a collective was checked
 
 # Set while a verified call runs: collectives that torch calls internally (all_gather_object
 # calls all_gather) and the verification's own all_gather must not be verified again.
@@ -177,61 +175,46 @@ def verify(
 
     if not in_group(group) or dist.get_world_size(group) < 2:
         return
-    record = _record(operation, list(inputs), rule, dim, args or {}, problem, outputs)
+    facts = _facts(operation, inputs, rule, dim, args, problem, outputs)
     if not debug_enabled():
-        fingerprints.send(record, group)
+        fingerprints.send(facts, group)
         return
     with verified_region():
-        records = _exchange(record, group)
+        records = _exchange(record_of(facts, dist.get_rank()), group)
     message = mismatch_message(records)
     if message:
         raise DistributedOperationException(message)
 
 
-def _record(
+def _facts(
     operation: str,
-    inputs: list[Any],
+    inputs: Sequence[Any],
     rule: str,
     dim: int,
-    args: dict[str, Any],
+    args: dict[str, Any] | None,
     problem: str | None,
     outputs: list[Any] | None,
-) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
+) -> tuple[Any, ...]:
+    """The call's facts (``debug_report.FACTS``): plain tuples, the cheapest to build and send
+    (every collective pays this with the checks on)."""
+    global _Tensor
+    if _Tensor is None:
+        import torch
 
-    inputs = [t for t in inputs if isinstance(t, torch.Tensor)]
-    shapes = [list(t.shape) for t in inputs]
-    dtypes = [str(t.dtype) for t in inputs]
-    devices = [t.device.type for t in inputs]
-    if rule == "same_except_dim":
-        compared = [
-            [("*" if i == dim % max(len(s), 1) else n) for i, n in enumerate(s)] for s in shapes
-        ]
-    elif rule in ("same", "all_gather", "all_gather_even"):
-        compared = shapes
-    else:
-        compared = []
-    return {
-        "op": operation,
-        "rank": dist.get_rank(),
-        "site": call_site(),
-        "rule": rule,
-        "n": len(inputs),
-        "shapes": shapes[:MAX_LISTED],
-        "dtypes": dtypes[:MAX_LISTED],
-        "devices": devices[:MAX_LISTED],
-        "key": {
-            "shape": digest(compared),
-            "dtype": digest(dtypes),
-            "device": digest(devices),
-        },
-        "out": digest([list(getattr(t, "shape", ())) for t in outputs])
-        if outputs is not None
-        else None,
-        "args": {k: _plain(v) for k, v in args.items()},
-        "problem": problem,
-    }
+        _Tensor = torch.Tensor
+    tensors = [t for t in inputs if isinstance(t, _Tensor)]
+    return (
+        operation,
+        call_site(),
+        rule,
+        dim,
+        tuple([tuple(t.shape) for t in tensors]),
+        tuple([str(t.dtype) for t in tensors]),
+        tuple([t.device.type for t in tensors]),
+        None if outputs is None else tuple([tuple(getattr(t, "shape", ())) for t in outputs]),
+        tuple([(k, _plain(v)) for k, v in args.items()]) if args else (),
+        problem,
+    )
 
 
 def _plain(value: Any) -> Any:

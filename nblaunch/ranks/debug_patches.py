@@ -209,18 +209,26 @@ class _VerifiedGradientHook:
 
     def __init__(self, process_group: Any) -> None:
         self.process_group = process_group
+        self.size = process_group.size()
         self.user_state: Any = None
         self.user_hook: Callable[[Any, Any], Any] | None = None
 
     def __call__(self, bucket: Any) -> Any:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
+        tensor = bucket.buffer()
         if _verifying:
-            verify(DDP_ALL_REDUCE, inputs=[bucket.buffer()], group=self.process_group)
-        with verified_region():  # the hook's own all_reduce is not verified again
-            if self.user_hook is not None:
+            verify(DDP_ALL_REDUCE, inputs=[tensor], group=self.process_group)
+        if self.user_hook is not None:
+            with verified_region():  # the hook's own all_reduce is not verified again
                 return self.user_hook(self.user_state, bucket)
-            return default_hooks.allreduce_hook(self.process_group, bucket)
+        # torch's allreduce_hook, without its Python on the way: the group's own allreduce,
+        # not dist.all_reduce (patched, and logged), and a module-level callback. Every step
+        # pays this hook in place of DDP's C++ default (measured: half of the checks' cost).
+        tensor.div_(self.size)
+        return self.process_group.allreduce([tensor]).get_future().then(_first_tensor)
+
+
+def _first_tensor(future: Any) -> Any:
+    return future.value()[0]  # the bucket, summed (a list of one tensor otherwise)
 
 
 def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]

@@ -3,18 +3,22 @@
 On by default (``debug=False`` or ``NBLAUNCH_CHECKS=0`` turn them off; ``debug=True`` checks
 before each call instead). The same calls debug mode verifies (:mod:`nblaunch.ranks.ops`,
 torch.distributed's collectives and DDP's gradient all-reduce, patched by
-:mod:`nblaunch.ranks.debug_patches`) each send debug mode's record (operation, call site,
-shapes, dtypes, arguments), numbered by its process group and its place on that group, to the
-launcher (:mod:`nblaunch.engine.checks`), which compares the ranks' records and stops the run
-with debug mode's :class:`~nblaunch.errors.DistributedOperationException` when two ranks
-disagree at the same step of the same group. The collective itself runs at once.
+:mod:`nblaunch.ranks.debug_patches`) each send the call's facts (operation, call site,
+shapes, dtypes, arguments: a plain tuple, ``debug_report.FACTS``), numbered by its process
+group and its place on that group, to the launcher (:mod:`nblaunch.engine.checks`), which
+compares the ranks' facts and stops the run with debug mode's
+:class:`~nblaunch.errors.DistributedOperationException` when two ranks disagree at the same step
+of the same group. The collective itself runs at once.
 
-Each record is one pickled message on a local socket (one connection per rank and task) that the
-launcher reads about 20 times a second, not a message on the event pipe: the pipe wakes the
-launcher at every write, and on a busy machine those wake-ups cost a step more than the checks
-themselves (measured: 1.2-1.6x). A message costs a few microseconds, queues in the kernel until
-read, and is still there when its sender was killed right after (gloo aborts a rank on some
-mismatches). Only when the launcher is a megabyte behind does a rank wait for it.
+Each call is one pickled tuple (``debug_report.CALL_FIELDS``) on a local socket (one
+connection per rank and task) that the launcher reads about 20 times a second, not a message on
+the event pipe: the pipe wakes the launcher at every write, and on a busy machine those wake-ups
+cost a step more than the checks themselves (measured: 1.2-1.6x). A call's facts and their
+message cost about 10 microseconds, queue in the kernel until read, and are still there when
+their sender was killed right after (gloo aborts a rank on some mismatches). Only when the
+launcher is a megabyte behind does a rank wait for it. Each message goes out before its
+collective starts, so a rank that hangs in it has told the launcher where; batching messages
+would need a thread that wakes up to flush them, and a message costs less than a wake-up.
 
 The numbers are this module's own, per group and per task: they count the calls checked here,
 so collectives torch issues out of sight (DDP's bucket rebuild, its buffer broadcast) cannot
@@ -36,6 +40,7 @@ from nblaunch.ranks import worker
 
 # Records a rank may send ahead of the launcher's reading (~5000 calls) before it waits.
 SEND_BUFFER_BYTES = 1 << 20
+_LENGTH = struct.Struct("<I")  # each message's length, before it
 
 
 def checks_on() -> bool:
@@ -68,22 +73,22 @@ class Outbox:
         except OSError:  # the launcher is gone: nobody to tell
             self.close()
 
-    def add(self, group: str, size: int, record: dict[str, Any]) -> None:
-        """Number one call on ``group`` (``size`` ranks) and send it; never waits."""
-        call = {"rank": self.rank, "task": self.task, "group": group, "size": size}
-        call["record"] = record
+    def add(self, group: str, size: int, facts: tuple[Any, ...]) -> None:
+        """Number one call on ``group`` (``size`` ranks) and send its facts; never waits."""
         # One call at a time: threads issuing collectives (an autograd thread's DDP hook) must
         # not interleave their bytes, and the numbers must go out in order.
         with self._lock:
             counter = self.counters.get(group)
             if counter is None:
                 counter = self.counters[group] = itertools.count(1)
-            call["n"] = next(counter)
+            n = next(counter)
             if self.sock is None:
                 return
-            data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(
+                (self.rank, self.task, group, size, n, facts), pickle.HIGHEST_PROTOCOL
+            )
             try:
-                self.sock.sendall(struct.pack("<I", len(data)) + data)
+                self.sock.sendall(_LENGTH.pack(len(data)) + data)
             except OSError:  # the launcher hung up
                 self.close()
 
@@ -96,8 +101,8 @@ class Outbox:
 _outbox: Outbox | None = None
 
 
-def send(record: dict[str, Any], group: Any = None) -> None:
-    """Number ``record`` (debug mode's record of one call) on ``group`` and send it.
+def send(facts: tuple[Any, ...], group: Any = None) -> None:
+    """Number one call's facts (``debug_report.FACTS``) on ``group`` and send them.
 
     Never waits for a peer, and costs a few microseconds.
     """
@@ -106,12 +111,12 @@ def send(record: dict[str, Any], group: Any = None) -> None:
         return
     import torch.distributed as dist
 
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg = group if group is not None else dist.GroupMember.WORLD
     name = pg.group_name
     size = outbox.sizes.get(name)
     if size is None:
         size = outbox.sizes[name] = dist.get_world_size(pg)
-    outbox.add(name, size, record)
+    outbox.add(name, size, facts)
 
 
 @contextlib.contextmanager
