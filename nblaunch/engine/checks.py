@@ -173,6 +173,7 @@ class CollectiveChecks:
         self.compared = 0  # collectives every rank of the group reported, found consistent
         self.found: RootCause | None = None
         self.reported = False
+        self.forwards: bool | None = None  # see _forwards
 
     def on_event(self, run: RunContext, event: dict[str, Any]) -> None:
         """Another node's ranks' calls, passed on by its launcher."""
@@ -207,13 +208,20 @@ class CollectiveChecks:
             calls = self.reader.read()
             for call in calls:
                 self._take(call)
-            if calls:  # a joined node's launcher sends them on to the notebook's
+            if calls and self._forwards(run):
                 run.publish({"kind": "collectives", "calls": calls})  # type: ignore[typeddict-item]
         if self.found is None or self.reported:
             return None
         self.reported = True  # once: the run ends with it
         self.open.clear()
         return self.found
+
+    def _forwards(self, run: RunContext) -> bool:
+        """True on a node without every rank (a joined node's launcher sends its ranks' calls
+        on to the notebook's); a single machine's calls stay here, out of its view's events."""
+        if self.forwards is None:
+            self.forwards = not all(run.runs_here(rank) for rank in range(self.world_size))
+        return self.forwards
 
     def _root(self, call: dict[str, Any], records: dict[int, Any], message: str) -> RootCause:
         ranks = sorted(records)
