@@ -43,6 +43,9 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 _skipped_dirs: tuple[str, ...] | None = None  # the above and torch's, once torch is imported
 _Tensor: Any = None  # torch.Tensor, once a collective was checked
+# Call sites named so far, by code object and line: every checked collective names its site.
+_sites: dict[tuple[Any, int], str] = {}
+MAX_SITES = 10_000
 
 # Set while a verified call runs: collectives that torch calls internally (all_gather_object
 # calls all_gather) and the verification's own all_gather must not be verified again.
@@ -59,7 +62,7 @@ def debug_enabled() -> bool:
 
 def checks_enabled() -> bool:
     """True when collectives are checked: by debug mode, or out of band (the default)."""
-    return debug_enabled() or fingerprints.checks_on()
+    return fingerprints.current() is not None or debug_enabled()
 
 
 def in_group(group: Any = None) -> bool:
@@ -119,13 +122,23 @@ def call_site() -> str:
         _skipped_dirs = (_PACKAGE_DIR, torch_dir, _STDLIB_DIR)
     frame = sys._getframe(1)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_skipped_dirs):
-            if _CELL_FILE.search(filename):
-                return f"cell line {frame.f_lineno}"
-            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        code = frame.f_code
+        if not code.co_filename.startswith(_skipped_dirs):
+            key = (code, frame.f_lineno)
+            site = _sites.get(key)
+            if site is None:
+                if len(_sites) > MAX_SITES:
+                    _sites.clear()
+                site = _sites[key] = _site_name(code.co_filename, frame.f_lineno)
+            return site
         frame = frame.f_back
     return "unknown location"
+
+
+def _site_name(filename: str, line: int) -> str:
+    if _CELL_FILE.search(filename):
+        return f"cell line {line}"
+    return f"{os.path.basename(filename)}:{line}"
 
 
 def verify(
@@ -171,14 +184,17 @@ def verify(
     DistributedOperationException
         In debug mode, on every rank, when the records disagree.
     """
+    outbox = fingerprints.current()
+    if outbox is not None:  # the out-of-band checks (never with debug mode): send, go on
+        route = outbox.route(group)
+        if route is not None:
+            outbox.add(*route, _facts(operation, inputs, rule, dim, args, problem, outputs))
+        return
     import torch.distributed as dist
 
-    if not in_group(group) or dist.get_world_size(group) < 2:
+    if not debug_enabled() or not in_group(group) or dist.get_world_size(group) < 2:
         return
     facts = _facts(operation, inputs, rule, dim, args, problem, outputs)
-    if not debug_enabled():
-        fingerprints.send(facts, group)
-        return
     with verified_region():
         records = _exchange(record_of(facts, dist.get_rank()), group)
     message = mismatch_message(records)
@@ -202,15 +218,20 @@ def _facts(
         import torch
 
         _Tensor = torch.Tensor
-    tensors = [t for t in inputs if isinstance(t, _Tensor)]
+    shapes, dtypes, devices = [], [], []  # one loop: comprehensions cost a frame each
+    for t in inputs:
+        if isinstance(t, _Tensor):
+            shapes.append(tuple(t.shape))
+            dtypes.append(str(t.dtype))
+            devices.append(t.device.type)
     return (
         operation,
         call_site(),
         rule,
         dim,
-        tuple([tuple(t.shape) for t in tensors]),
-        tuple([str(t.dtype) for t in tensors]),
-        tuple([t.device.type for t in tensors]),
+        tuple(shapes),
+        tuple(dtypes),
+        tuple(devices),
         None if outputs is None else tuple([tuple(getattr(t, "shape", ())) for t in outputs]),
         tuple([(k, _plain(v)) for k, v in args.items()]) if args else (),
         problem,

@@ -64,7 +64,8 @@ class Outbox:
         self.rank = rank
         self.task = task
         self.counters: dict[str, Iterator[int]] = {}  # group name -> its next numbers
-        self.sizes: dict[str, int] = {}  # group name -> its ranks
+        # process group -> (its name, its size), or None where this rank has nothing to check
+        self.routes: dict[Any, tuple[str, int] | None] = {}
         self._lock = threading.Lock()
         self.sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -72,6 +73,28 @@ class Outbox:
             self.sock.connect("\0" + address)
         except OSError:  # the launcher is gone: nobody to tell
             self.close()
+
+    def route(self, group: Any = None) -> tuple[str, int] | None:
+        """``group``'s name and size (None: the default group's), or None when this rank is not
+        in it or it has no other rank: nothing to check. Asked once per group: torch's
+        get_rank and get_world_size are Python calls that every collective would pay."""
+        import torch.distributed as dist
+
+        pg = group if group is not None else dist.GroupMember.WORLD
+        if pg is None:  # no process group
+            return None
+        try:
+            return self.routes[pg]
+        except KeyError:
+            pass
+        route = None
+        try:
+            if dist.get_rank(pg) >= 0 and dist.get_world_size(pg) >= 2:
+                route = (pg.group_name, dist.get_world_size(pg))
+        except (RuntimeError, ValueError, AttributeError):  # not a group: torch will say so
+            pass
+        self.routes[pg] = route
+        return route
 
     def add(self, group: str, size: int, facts: tuple[Any, ...]) -> None:
         """Number one call on ``group`` (``size`` ranks) and send its facts; never waits."""
@@ -101,6 +124,11 @@ class Outbox:
 _outbox: Outbox | None = None
 
 
+def current() -> Outbox | None:
+    """This task's outbox while the out-of-band checks are on in it, else None."""
+    return _outbox
+
+
 def send(facts: tuple[Any, ...], group: Any = None) -> None:
     """Number one call's facts (``debug_report.FACTS``) on ``group`` and send them.
 
@@ -109,14 +137,9 @@ def send(facts: tuple[Any, ...], group: Any = None) -> None:
     outbox = _outbox
     if outbox is None:
         return
-    import torch.distributed as dist
-
-    pg = group if group is not None else dist.GroupMember.WORLD
-    name = pg.group_name
-    size = outbox.sizes.get(name)
-    if size is None:
-        size = outbox.sizes[name] = dist.get_world_size(pg)
-    outbox.add(name, size, facts)
+    route = outbox.route(group)
+    if route is not None:
+        outbox.add(*route, facts)
 
 
 @contextlib.contextmanager
