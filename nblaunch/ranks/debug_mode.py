@@ -26,7 +26,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nblaunch.errors import DistributedOperationException
@@ -92,15 +92,21 @@ def all_gather_flat() -> Callable[..., Any]:
     )
 
 
-@contextlib.contextmanager
-def verified_region() -> Iterator[None]:
+def verified_region() -> contextlib.AbstractContextManager[None]:
     """Inside this block, collectives are not verified (they are part of a verified call)."""
-    previous = getattr(_guard, "active", False)
-    _guard.active = True
-    try:
-        yield
-    finally:
-        _guard.active = previous
+    return _VerifiedRegion()
+
+
+class _VerifiedRegion:
+    # A class, not a generator: every checked call enters one.
+    __slots__ = ("previous",)
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_guard, "active", False)
+        _guard.active = True
+
+    def __exit__(self, *exc: object) -> None:
+        _guard.active = self.previous
 
 
 def in_verified_region() -> bool:

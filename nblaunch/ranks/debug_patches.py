@@ -17,7 +17,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nblaunch.ranks import worker
+from nblaunch.ranks import fingerprints, worker
 from nblaunch.ranks.debug_mode import in_group, in_verified_region, verified_region, verify
 from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, format_shape
 
@@ -129,35 +129,93 @@ def _first(arguments: dict[str, Any], *names: str) -> Any:
     return None
 
 
-def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def _binder(original: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
+    """What ``inspect.signature(original).bind(...)`` with its defaults gives, as a dict, or None
+    for a call that does not fit (torch then explains it): the same, in a tenth of the time
+    (every checked torch.distributed call pays it)."""
     signature = inspect.signature(original)
+    parameters = list(signature.parameters.values())
+    kinds = {p.kind for p in parameters}
+    if inspect.Parameter.VAR_POSITIONAL in kinds or inspect.Parameter.VAR_KEYWORD in kinds:
+
+        def bind_slowly(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                return None
+            bound.apply_defaults()
+            return dict(bound.arguments)
+
+        return bind_slowly
+    positional = [p.name for p in parameters if p.kind != inspect.Parameter.KEYWORD_ONLY]
+    by_keyword = {p.name for p in parameters if p.kind != inspect.Parameter.POSITIONAL_ONLY}
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+    required = [p.name for p in parameters if p.default is p.empty]
+
+    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if len(args) > len(positional) or not by_keyword.issuperset(kwargs):
+            return None
+        arguments = dict(defaults)
+        arguments.update(zip(positional[: len(args)], args, strict=True))
+        if kwargs:
+            if any(name in kwargs for name in positional[: len(args)]):
+                return None  # given twice
+            arguments.update(kwargs)
+        if any(name not in arguments for name in required):
+            return None
+        return arguments
+
+    return bind
+
+
+def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    bind = _binder(original)
+    operation = f"torch.distributed.{name}"
 
     @functools.wraps(original)
     def verified(*args: Any, **kwargs: Any) -> Any:
         if in_verified_region():
             return original(*args, **kwargs)
-        try:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            group = bound.arguments.get("group")
-            ready = in_group(group)
-        except (TypeError, ValueError, RuntimeError):
-            ready = False  # let torch report a bad call in its own words
+        arguments = bind(args, kwargs)
+        if arguments is None:
+            return original(*args, **kwargs)  # let torch report a bad call in its own words
+        group = arguments.get("group")
+        outbox = fingerprints.current()
+        if outbox is not None:  # the out-of-band checks: torch asked once per group
+            route = outbox.route(group)
+            ready, world = route is not None, route[1] if route is not None else 0
+        else:
+            ready, world = _ready(group)
         if not ready:
             return original(*args, **kwargs)
-        import torch.distributed as dist
-
         try:
-            backend = str(dist.get_backend(group)).lower()
-            spec = _spec(name, bound.arguments, dist.get_world_size(group), backend)
+            spec = _spec(name, arguments, world, _backend(group) if name == "all_gather" else "")
         except (AttributeError, KeyError, TypeError):
             return original(*args, **kwargs)  # not tensors where torch wants them: torch says so
-        verify(f"torch.distributed.{name}", group=group, **spec)
+        verify(operation, group=group, **spec)
         with verified_region():
             return original(*args, **kwargs)
 
     verified.__nblaunch_original__ = original  # type: ignore[attr-defined]
     return verified
+
+
+def _ready(group: Any) -> tuple[bool, int]:
+    """Whether this rank can check a call on ``group``, and the group's size."""
+    import torch.distributed as dist
+
+    try:
+        if in_group(group):
+            return True, dist.get_world_size(group)
+    except (TypeError, ValueError, RuntimeError):
+        pass  # let torch report a bad call in its own words
+    return False, 0
+
+
+def _backend(group: Any) -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group)).lower()
 
 
 @contextlib.contextmanager
