@@ -454,3 +454,35 @@ def test_the_reader_takes_whole_records_and_drops_a_connection_that_sends_garbag
         rank.close()
         stranger.close()
         reader.close()
+
+
+def test_the_wrappers_bind_torchs_arguments_as_inspect_does():
+    import torch
+    import torch.distributed as dist
+
+    from nblaunch.ranks.debug_patches import PATCHED, _binder
+
+    t = torch.ones(2)
+    for name in PATCHED:
+        function = getattr(dist, name, None)
+        if function is None:
+            continue
+        signature, bind = inspect.signature(function), _binder(function)
+        first, *_ = signature.parameters
+        calls = [
+            ((), {}),
+            ((t,), {}),
+            ((t, t), {"group": None}),
+            ((t,), {first: t}),  # given twice
+            ((t,), {"no_such_argument": 1}),
+            ((t,) * 9, {}),
+            ((), dict.fromkeys(signature.parameters, t)),
+        ]
+        for args, kwargs in calls:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                assert bind(args, kwargs) is None, (name, args, kwargs)
+                continue
+            bound.apply_defaults()
+            assert bind(args, kwargs) == dict(bound.arguments), (name, args, kwargs)
