@@ -88,11 +88,13 @@ class Outbox:
             return self.routes[pg]
         except KeyError:
             pass
+        except TypeError:  # not a group (unhashable): torch will say so
+            return None
         route = None
         try:
             if dist.get_rank(pg) >= 0 and dist.get_world_size(pg) >= 2:
                 route = (pg.group_name, dist.get_world_size(pg))
-        except (RuntimeError, ValueError, AttributeError):  # not a group: torch will say so
+        except (RuntimeError, ValueError, AttributeError, TypeError):  # torch will say so
             pass
         self.routes[pg] = route
         return route
