@@ -1,6 +1,7 @@
 """Cost of checking collectives on a training step: nblaunch's checks against Accelerate's.
 
-Run: ``.venv/bin/python benchmarks/bench_debug.py``. Prints one markdown table.
+Run: ``.venv/bin/python benchmarks/bench_debug.py [rounds]`` (default 5). Prints one markdown
+table.
 
 The step: a small MLP wrapped in DistributedDataParallel, synthetic data, SGD, 2 CPU ranks with
 gloo, plus the two collectives a training loop typically makes itself (gather the loss for
@@ -17,7 +18,8 @@ collectives; nblaunch checks those and DDP's gradient all-reduce (a comm hook).
 All four run inside nblaunch launches (Accelerate reads the torchrun variables every rank gets),
 so only the step differs. Each configuration is timed ``ROUNDS`` times, interleaved, over
 ``STEPS`` steps after ``WARMUP`` steps; a step's time is the slowest rank's mean, and the table
-shows the median over rounds.
+shows the median over rounds, and for the ratios against checks off (each round's against the
+same round's) their range too: on a shared machine single rounds swing by tens of percent.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def run(library: str, mode: str) -> tuple[float, float, float]:
     return max(w for w, _ in per_rank), sum(c for _, c in per_rank), launcher_cpu
 
 
-def main() -> None:
+def main(rounds: int = ROUNDS) -> None:
     import accelerate
     import torch
 
@@ -137,7 +139,7 @@ def main() -> None:
     results: dict[tuple[str, str], list[tuple[float, float, float]]] = {
         (lib, mode): [] for lib, mode, _ in configs
     }
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for library, mode, _ in configs:
             results[(library, mode)].append(run(library, mode))
 
@@ -145,28 +147,39 @@ def main() -> None:
         f"Cost of checking collectives on a DDP training step: MLP {WIDTH}-{WIDTH}-{WIDTH}-10, "
         f"batch {BATCH}, 2 CPU ranks, gloo, torch {torch.__version__}; each step also gathers "
         "the loss and sums the correct predictions (2 checked collectives, 3 with DDP's). "
-        f"Median of {ROUNDS} rounds of {STEPS} steps; rounds interleave the configurations. "
-        "Wall: the slowest rank's step; the ratio is each round's against the same round's "
-        "checks off (a busy moment of the machine hits both). CPU: both ranks' processes, per "
-        "step, and the launcher's over the whole launch per step, which a busy machine "
-        "does not inflate.\n"
+        f"Median of {rounds} rounds of {STEPS} steps; rounds interleave the configurations. "
+        "Wall: the slowest rank's step; each ratio is a round's against the same round's "
+        "checks off (a busy moment of the machine hits both), median and range over rounds. "
+        "CPU: both ranks' processes, per step, and the launcher's over the whole launch per "
+        "step, which a busy machine inflates less.\n"
     )
     print(
         "| configuration | wall ms / step | vs. checks off, same round | ranks' CPU ms / step "
-        "| launcher CPU ms / step |"
+        "| CPU vs. checks off | launcher CPU ms / step |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     per_launch = STEPS + WARMUP
     for library, mode, label in configs:
         rows = results[(library, mode)]
-        wall = statistics.median(w for w, _, _ in rows) * 1e3
         off = results[(library, "off")]
-        ratio = statistics.median(r[0] / o[0] for r, o in zip(rows, off, strict=True))
+        wall = statistics.median(w for w, _, _ in rows) * 1e3
         cpu = statistics.median(c for _, c, _ in rows) * 1e3
         launcher = statistics.median(lc for _, _, lc in rows) / per_launch * 1e3
-        print(f"| {label} | {wall:.3f} | {ratio:.3f}x | {cpu:.3f} | {launcher:.3f} |")
+        pairs = list(zip(rows, off, strict=True))
+        walls, cpus = (
+            _ratios([r[0] / o[0] for r, o in pairs]),
+            _ratios([r[1] / o[1] for r, o in pairs]),
+        )
+        print(f"| {label} | {wall:.3f} | {walls} | {cpu:.3f} | {cpus} | {launcher:.3f} |")
     sys.stdout.flush()
 
 
+def _ratios(ratios: list[float]) -> str:
+    """``1.031x (0.97-1.08)``: the median and the range over rounds."""
+    if len(ratios) == 1 or max(ratios) == min(ratios):
+        return f"{statistics.median(ratios):.3f}x"
+    return f"{statistics.median(ratios):.3f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS)

@@ -22,7 +22,7 @@ from nblaunch.engine.checks import CallReader, CollectiveChecks, compare
 from nblaunch.engine.plan import plan_launch
 from nblaunch.engine.verdict import Cause
 from nblaunch.options import LaunchOptions
-from nblaunch.ranks.debug_report import digest
+from nblaunch.ranks.debug_report import digest, mismatch_message, record_of, same_facts
 from tests.conftest import rank_children, wait_until
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -376,6 +376,65 @@ def test_an_all_gathers_outputs_wait_for_every_rank():
     assert other is not None and "different collectives" in other
 
 
+def facts(shapes=((2,),), site="train.py:10", rule="same", out=None, problem=None):
+    """A call's facts, as a rank sends them (``debug_report.FACTS``)."""
+    dtypes, devices = ("torch.float32",) * len(shapes), ("cpu",) * len(shapes)
+    op = "torch.distributed.all_reduce"
+    return (op, site, rule, 0, shapes, dtypes, devices, out, (("op", "SUM"),), problem)
+
+
+def test_facts_that_differ_only_in_the_line_agree_and_others_get_debug_modes_report():
+    assert same_facts([facts(), facts(site="train.py:11")])
+    assert compare({0: facts(), 1: facts(site="train.py:11")}, True) is None
+    bigger = facts(shapes=((3,),), site="train.py:11")
+    report = compare({0: facts(), 1: bigger}, True)
+    assert report == mismatch_message([record_of(facts(), 0), record_of(bigger, 1)])
+    assert "shape mismatches" in report and "Process 1: [3]" in report
+    assert "Process 1: train.py:11" in report
+    rows = facts(shapes=((2, 5),), rule="same_except_dim")
+    assert compare({0: rows, 1: facts(shapes=((7, 5),), rule="same_except_dim")}, True) is None
+    # Equal facts that are wrong all the same: outputs sized for other inputs, a problem found.
+    assert compare({r: facts(rule="all_gather", out=((2,), (2,))) for r in (0, 1)}, True) is None
+    wrong = compare({r: facts(rule="all_gather", out=((2,), (3,))) for r in (0, 1)}, True)
+    assert wrong is not None and "shape mismatches" in wrong
+    problem = compare({r: facts(problem="tensor_list has 1 tensors") for r in (0, 1)}, True)
+    assert problem is not None and "invalid arguments" in problem
+
+
+class Node(FakeRun):
+    """A launcher with some of the ranks; what its checks publish."""
+
+    def __init__(self, ranks: set[int]) -> None:
+        self.ranks = ranks
+        self.published: list[dict] = []
+
+    def runs_here(self, rank: int) -> bool:
+        return rank in self.ranks
+
+    def publish(self, event: dict) -> None:
+        self.published.append(event)
+
+
+@pytest.mark.parametrize("ranks", [{0, 1}, {1}], ids=["one machine", "a joined node"])
+def test_only_a_node_without_every_rank_passes_its_ranks_calls_on(ranks, monkeypatch):
+    monkeypatch.delenv("NBLAUNCH_CHECKS", raising=False)
+    checks, node = CollectiveChecks(plan_launch(print, 2, LaunchOptions())), Node(ranks)
+    rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        rank.connect("\0" + checks.reader.address)
+        data = pickle.dumps((1, 1, "0", 2, 1, facts(), [0, 1]))
+        rank.sendall(struct.pack("<I", len(data)) + data)
+        assert wait_until(lambda: checks.check(node) is None and checks.open, timeout=5)
+        calls = [{"rank": 1, "task": 1, "group": "0", "size": 2, "n": 1, "record": facts()}]
+        calls[0]["members"] = [0, 1]
+        assert node.published == (
+            [{"kind": "collectives", "calls": calls}] if 0 not in ranks else []
+        )
+    finally:
+        rank.close()
+        checks.reader.close()
+
+
 def test_the_reader_takes_whole_records_and_drops_a_connection_that_sends_garbage():
     reader = CallReader()
     rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -408,3 +467,35 @@ def test_the_reader_takes_whole_records_and_drops_a_connection_that_sends_garbag
         rank.close()
         stranger.close()
         reader.close()
+
+
+def test_the_wrappers_bind_torchs_arguments_as_inspect_does():
+    import torch
+    import torch.distributed as dist
+
+    from nblaunch.ranks.debug_patches import PATCHED, _binder
+
+    t = torch.ones(2)
+    for name in PATCHED:
+        function = getattr(dist, name, None)
+        if function is None:
+            continue
+        signature, bind = inspect.signature(function), _binder(function)
+        first, *_ = signature.parameters
+        calls = [
+            ((), {}),
+            ((t,), {}),
+            ((t, t), {"group": None}),
+            ((t,), {first: t}),  # given twice
+            ((t,), {"no_such_argument": 1}),
+            ((t,) * 9, {}),
+            ((), dict.fromkeys(signature.parameters, t)),
+        ]
+        for args, kwargs in calls:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                assert bind(args, kwargs) is None, (name, args, kwargs)
+                continue
+            bound.apply_defaults()
+            assert bind(args, kwargs) == dict(bound.arguments), (name, args, kwargs)

@@ -28,7 +28,7 @@ from nblaunch.engine.monitor import RunContext
 from nblaunch.engine.source_lines import cell_names
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedOperationException
-from nblaunch.ranks.debug_report import mismatch_message
+from nblaunch.ranks.debug_report import CALL_FIELDS, mismatch_message, record_of, same_facts
 
 if TYPE_CHECKING:
     from nblaunch.engine.plan import LaunchPlan
@@ -47,7 +47,8 @@ class CallReader:
     namespace (its name travels in the ranks' set-up options), and one connection per rank and
     task. Nothing waits on it: :meth:`read` takes what arrived, without blocking.
 
-    Each message is a 4-byte length and a pickled ``CollectiveCall``. Only processes of this
+    Each message is a 4-byte length and a pickled tuple of ``CALL_FIELDS``, read into a dict of
+    them (a ``CollectiveCall``; a pickled dict is taken as it is). Only processes of this
     user may connect (the abstract namespace has no file permissions), which may read this
     process's memory anyway: their pickles are as trusted as the ranks' event pipes.
     """
@@ -82,7 +83,10 @@ class CallReader:
                 if end > len(buffer):
                     break  # the rest comes with the next read
                 try:
-                    calls.append(pickle.loads(buffer[start + 4 : end]))
+                    call = pickle.loads(buffer[start + 4 : end])
+                    calls.append(
+                        dict(zip(CALL_FIELDS, call, strict=True)) if type(call) is tuple else call
+                    )
                 except Exception:  # not a rank's record: stop listening to that connection
                     self._drop(conn)
                     break
@@ -133,13 +137,19 @@ def reader_for(plan: LaunchPlan) -> CallReader:
     return reader
 
 
-def compare(records: dict[int, dict[str, Any]], complete: bool) -> str | None:
+def compare(records: dict[int, Any], complete: bool) -> str | None:
     """Debug mode's report for the records of one collective (by rank), or ``None`` if they agree.
 
-    ``complete``: every rank of the group sent its record. Before that, everything is compared
-    but an all-gather's outputs, which need every rank's input.
+    Each record is a rank's facts (``debug_report.FACTS``, what ranks send) or debug mode's
+    record of them. ``complete``: every rank of the group sent its record. Before that,
+    everything is compared but an all-gather's outputs, which need every rank's input.
     """
-    ordered = [records[rank] for rank in sorted(records)]
+    ranks = sorted(records)
+    ordered = [records[rank] for rank in ranks]
+    if all(type(r) is tuple for r in ordered):
+        if same_facts(ordered):  # nearly every call: no record made, nothing hashed
+            return None
+        ordered = [record_of(facts, rank) for rank, facts in zip(ranks, ordered, strict=True)]
     if len({record["op"] for record in ordered}) > 1:
         return mismatch_message(ordered)
     if not complete and ordered[0].get("rule") in _WHOLE_GROUP_RULES:
@@ -158,7 +168,7 @@ class Owed:
 
 
 def owed_calls(
-    open_calls: dict[tuple[int, str, int], dict[int, dict[str, Any]]],
+    open_calls: dict[tuple[int, str, int], dict[int, Any]],
     members: dict[str, list[int]],
     task: int,
     idle: set[int],
@@ -185,7 +195,10 @@ def owed_calls(
         missing = [rank for rank in ranks if rank not in records]
         if not missing or any(rank not in idle for rank in missing):
             continue
-        record = records[min(records)]
+        first = min(records)
+        record = records[first]
+        if type(record) is tuple:  # a call's facts, as ranks send them
+            record = record_of(record, first)
         problem = unsupported(record)
         if problem:
             waiting = ", ".join(map(str, sorted(records)))
@@ -210,11 +223,12 @@ class CollectiveChecks:
     def __init__(self, plan: LaunchPlan) -> None:
         self.world_size = plan.world_size
         self.reader = reader_for(plan) if plan.checks else None
-        self.open: dict[tuple[int, str, int], dict[int, dict[str, Any]]] = {}
+        self.open: dict[tuple[int, str, int], dict[int, Any]] = {}
         self.members: dict[str, list[int]] = {}  # group name -> its ranks, once a call said
         self.compared = 0  # collectives every rank of the group reported, found consistent
         self.found: RootCause | None = None
         self.reported = False
+        self.forwards: bool | None = None  # see _forwards
 
     def on_event(self, run: RunContext, event: dict[str, Any]) -> None:
         """Another node's ranks' calls, passed on by its launcher."""
@@ -238,7 +252,7 @@ class CollectiveChecks:
         return owed_calls(self.open, self.members, task, idle, skip)
 
     def _take(self, call: dict[str, Any]) -> None:
-        if "members" in call:
+        if call.get("members"):
             self.members[call["group"]] = call["members"]
         if self.found is not None:
             return
@@ -265,7 +279,7 @@ class CollectiveChecks:
             calls = self.reader.read()
             for call in calls:
                 self._take(call)
-            if calls:  # a joined node's launcher sends them on to the notebook's
+            if calls and self._forwards(run):
                 run.publish({"kind": "collectives", "calls": calls})  # type: ignore[typeddict-item]
         if self.found is None or self.reported:
             return None
@@ -273,9 +287,14 @@ class CollectiveChecks:
         self.open.clear()
         return self.found
 
-    def _root(
-        self, call: dict[str, Any], records: dict[int, dict[str, Any]], message: str
-    ) -> RootCause:
+    def _forwards(self, run: RunContext) -> bool:
+        """True on a node without every rank (a joined node's launcher sends its ranks' calls
+        on to the notebook's); a single machine's calls stay here, out of its view's events."""
+        if self.forwards is None:
+            self.forwards = not all(run.runs_here(rank) for rank in range(self.world_size))
+        return self.forwards
+
+    def _root(self, call: dict[str, Any], records: dict[int, Any], message: str) -> RootCause:
         ranks = sorted(records)
         group = "the default group" if call["group"] == "0" else f"process group {call['group']}"
         message = cell_names(message) + (

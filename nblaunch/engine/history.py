@@ -78,6 +78,8 @@ class RunHistory:
             if kind == "result" and len(event.get("value_bytes", b"")) > MAX_RESULT_BYTES:
                 return
             self._latest[(kind, event.get("rank"))] = kept
+        elif kind == "collectives":  # the checks' traffic from other nodes: no view shows it
+            return
         elif kind == "progress":
             self._latest[(kind, (event["rank"], event["what"]))] = kept
         else:

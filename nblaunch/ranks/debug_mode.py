@@ -26,25 +26,26 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nblaunch.errors import DistributedOperationException
 from nblaunch.options import debug_from_env
 from nblaunch.ranks import fingerprints, worker
-from nblaunch.ranks.debug_report import digest, mismatch_message
+from nblaunch.ranks.debug_report import mismatch_message, record_of
 
 # Bytes each rank contributes to the verification all_gather; a record is ~200 bytes, and one
 # that does not fit lists fewer tensors (the comparison still uses digests of all of them).
 RECORD_BYTES = 2048
-# Tensors listed per rank in a record (the rest are summarised).
-MAX_LISTED = 16
-
 _CELL_FILE = re.compile(r"(ipykernel_\d+[/\\]\d+\.py$)|(^<ipython-input-\d+-)")
 # nblaunch's own frames, in any of its packages.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 _skipped_dirs: tuple[str, ...] | None = None  # the above and torch's, once torch is imported
+_Tensor: Any = None  # torch.Tensor, once a collective was checked
+# Call sites named so far, by code object and line: every checked collective names its site.
+_sites: dict[tuple[Any, int], str] = {}
+MAX_SITES = 10_000
 
 # Set while a verified call runs: collectives that torch calls internally (all_gather_object
 # calls all_gather) and the verification's own all_gather must not be verified again.
@@ -61,7 +62,7 @@ def debug_enabled() -> bool:
 
 def checks_enabled() -> bool:
     """True when collectives are checked: by debug mode, or out of band (the default)."""
-    return debug_enabled() or fingerprints.checks_on()
+    return fingerprints.current() is not None or debug_enabled()
 
 
 def in_group(group: Any = None) -> bool:
@@ -91,15 +92,21 @@ def all_gather_flat() -> Callable[..., Any]:
     )
 
 
-@contextlib.contextmanager
-def verified_region() -> Iterator[None]:
+def verified_region() -> contextlib.AbstractContextManager[None]:
     """Inside this block, collectives are not verified (they are part of a verified call)."""
-    previous = getattr(_guard, "active", False)
-    _guard.active = True
-    try:
-        yield
-    finally:
-        _guard.active = previous
+    return _VerifiedRegion()
+
+
+class _VerifiedRegion:
+    # A class, not a generator: every checked call enters one.
+    __slots__ = ("previous",)
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_guard, "active", False)
+        _guard.active = True
+
+    def __exit__(self, *exc: object) -> None:
+        _guard.active = self.previous
 
 
 def in_verified_region() -> bool:
@@ -121,13 +128,23 @@ def call_site() -> str:
         _skipped_dirs = (_PACKAGE_DIR, torch_dir, _STDLIB_DIR)
     frame = sys._getframe(1)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_skipped_dirs):
-            if _CELL_FILE.search(filename):
-                return f"cell line {frame.f_lineno}"
-            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        code = frame.f_code
+        if not code.co_filename.startswith(_skipped_dirs):
+            key = (code, frame.f_lineno)
+            site = _sites.get(key)
+            if site is None:
+                if len(_sites) > MAX_SITES:
+                    _sites.clear()
+                site = _sites[key] = _site_name(code.co_filename, frame.f_lineno)
+            return site
         frame = frame.f_back
     return "unknown location"
+
+
+def _site_name(filename: str, line: int) -> str:
+    if _CELL_FILE.search(filename):
+        return f"cell line {line}"
+    return f"{os.path.basename(filename)}:{line}"
 
 
 def verify(
@@ -173,65 +190,58 @@ def verify(
     DistributedOperationException
         In debug mode, on every rank, when the records disagree.
     """
+    outbox = fingerprints.current()
+    if outbox is not None:  # the out-of-band checks (never with debug mode): send, go on
+        route = outbox.route(group)
+        if route is not None:
+            outbox.add(*route, _facts(operation, inputs, rule, dim, args, problem, outputs))
+        return
     import torch.distributed as dist
 
-    if not in_group(group) or dist.get_world_size(group) < 2:
+    if not debug_enabled() or not in_group(group) or dist.get_world_size(group) < 2:
         return
-    record = _record(operation, list(inputs), rule, dim, args or {}, problem, outputs)
-    if not debug_enabled():
-        fingerprints.send(record, group)
-        return
+    facts = _facts(operation, inputs, rule, dim, args, problem, outputs)
     with verified_region():
-        records = _exchange(record, group)
+        records = _exchange(record_of(facts, dist.get_rank()), group)
     message = mismatch_message(records)
     if message:
         raise DistributedOperationException(message)
 
 
-def _record(
+def _facts(
     operation: str,
-    inputs: list[Any],
+    inputs: Sequence[Any],
     rule: str,
     dim: int,
-    args: dict[str, Any],
+    args: dict[str, Any] | None,
     problem: str | None,
     outputs: list[Any] | None,
-) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
+) -> tuple[Any, ...]:
+    """The call's facts (``debug_report.FACTS``): plain tuples, the cheapest to build and send
+    (every collective pays this with the checks on)."""
+    global _Tensor
+    if _Tensor is None:
+        import torch
 
-    inputs = [t for t in inputs if isinstance(t, torch.Tensor)]
-    shapes = [list(t.shape) for t in inputs]
-    dtypes = [str(t.dtype) for t in inputs]
-    devices = [t.device.type for t in inputs]
-    if rule == "same_except_dim":
-        compared = [
-            [("*" if i == dim % max(len(s), 1) else n) for i, n in enumerate(s)] for s in shapes
-        ]
-    elif rule in ("same", "all_gather", "all_gather_even"):
-        compared = shapes
-    else:
-        compared = []
-    return {
-        "op": operation,
-        "rank": dist.get_rank(),
-        "site": call_site(),
-        "rule": rule,
-        "n": len(inputs),
-        "shapes": shapes[:MAX_LISTED],
-        "dtypes": dtypes[:MAX_LISTED],
-        "devices": devices[:MAX_LISTED],
-        "key": {
-            "shape": digest(compared),
-            "dtype": digest(dtypes),
-            "device": digest(devices),
-        },
-        "out": digest([list(getattr(t, "shape", ())) for t in outputs])
-        if outputs is not None
-        else None,
-        "args": {k: _plain(v) for k, v in args.items()},
-        "problem": problem,
-    }
+        _Tensor = torch.Tensor
+    shapes, dtypes, devices = [], [], []  # one loop: comprehensions cost a frame each
+    for t in inputs:
+        if isinstance(t, _Tensor):
+            shapes.append(tuple(t.shape))
+            dtypes.append(str(t.dtype))
+            devices.append(t.device.type)
+    return (
+        operation,
+        call_site(),
+        rule,
+        dim,
+        tuple(shapes),
+        tuple(dtypes),
+        tuple(devices),
+        None if outputs is None else tuple([tuple(getattr(t, "shape", ())) for t in outputs]),
+        tuple([(k, _plain(v)) for k, v in args.items()]) if args else (),
+        problem,
+    )
 
 
 def _plain(value: Any) -> Any:

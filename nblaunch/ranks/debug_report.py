@@ -5,6 +5,11 @@ Each rank's record (built by :func:`nblaunch.ranks.debug_mode.verify`) is a JSON
 (the first few), ``key`` (digests of all of them, compared), ``out``, ``args`` and ``problem``.
 :func:`mismatch_message` turns every rank's record into the same message on every rank. It
 imports nothing of the project: records in, text out.
+
+A record is made of a call's *facts* (:data:`FACTS`), a plain tuple of strings and numbers:
+cheap to build and to pickle, which is what the out-of-band checks send for every collective;
+the launcher compares the facts of each call (:func:`same_facts`) and makes records of them
+(:func:`record_of`) only when they differ.
 """
 
 from __future__ import annotations
@@ -15,6 +20,17 @@ from typing import Any
 
 # The operation named in the report when DDP's backward all-reduce is the call that disagrees.
 DDP_ALL_REDUCE = "DDP's backward all-reduce"
+# Tensors listed per rank in a record (the rest are summarised; the digests cover them all).
+MAX_LISTED = 16
+# What a call's facts tuple holds, in order: shapes, dtypes and devices of every input tensor
+# (tuples), the output tensors' shapes (or None), args as (name, value) pairs.
+FACTS = ("op", "site", "rule", "dim", "shapes", "dtypes", "devices", "out", "args", "problem")
+# What a rank sends the launcher for each call, in order (nblaunch.ranks.fingerprints): who,
+# which task, which group, its size, the call's number on the group, the call's facts, and with
+# the group's first call of a task its ranks (None otherwise).
+CALL_FIELDS = ("rank", "task", "group", "size", "n", "record", "members")
+# Rules under which equal facts on every rank may still disagree (outputs sized for others).
+_WHOLE_GROUP_RULES = ("all_gather", "all_gather_even")
 
 
 def digest(value: Any) -> str:
@@ -24,6 +40,46 @@ def digest(value: Any) -> str:
     of the cost of hashing its JSON, and every collective pays it.
     """
     return hashlib.blake2b(repr(value).encode(), digest_size=8).hexdigest()
+
+
+def record_of(facts: tuple[Any, ...], rank: int) -> dict[str, Any]:
+    """Debug mode's record (see the module) of one rank's call, from its facts (:data:`FACTS`)."""
+    op, site, rule, dim, shapes, dtypes, devices, out, args, problem = facts
+    shapes = [list(shape) for shape in shapes]
+    dtypes, devices = list(dtypes), list(devices)
+    if rule == "same_except_dim":
+        compared = [
+            [("*" if i == dim % max(len(s), 1) else n) for i, n in enumerate(s)] for s in shapes
+        ]
+    elif rule in ("same", *_WHOLE_GROUP_RULES):
+        compared = shapes
+    else:
+        compared = []
+    return {
+        "op": op,
+        "rank": rank,
+        "site": site,
+        "rule": rule,
+        "n": len(shapes),
+        "shapes": shapes[:MAX_LISTED],
+        "dtypes": dtypes[:MAX_LISTED],
+        "devices": devices[:MAX_LISTED],
+        "key": {"shape": digest(compared), "dtype": digest(dtypes), "device": digest(devices)},
+        "out": digest([list(shape) for shape in out]) if out is not None else None,
+        "args": dict(args),
+        "problem": problem,
+    }
+
+
+def same_facts(facts: list[tuple[Any, ...]]) -> bool:
+    """True when calls with these facts (one per rank) are consistent without a closer look:
+    the same in everything but the call site, with no problem found and no output sized for
+    other ranks' inputs. False says nothing: :func:`mismatch_message` of their records decides.
+    """
+    first = facts[0]
+    if first[2] in _WHOLE_GROUP_RULES or first[9] is not None:
+        return False
+    return all(f[0] == first[0] and f[2:] == first[2:] for f in facts[1:])
 
 
 def mismatch_message(records: list[dict[str, Any]]) -> str | None:
