@@ -139,15 +139,19 @@ def main(rounds: int = ROUNDS) -> None:
     results: dict[tuple[str, str], list[tuple[float, float, float]]] = {
         (lib, mode): [] for lib, mode, _ in configs
     }
-    for _ in range(rounds):
-        for library, mode, _ in configs:
+    for round_ in range(rounds):
+        # Every other round in reverse: a launch's place in a round moves its step time by
+        # up to 10% (two identical launches in a row measured 0.77-1.27x), so each
+        # configuration takes each place equally often.
+        for library, mode, _ in configs if round_ % 2 == 0 else configs[::-1]:
             results[(library, mode)].append(run(library, mode))
 
     print(
         f"Cost of checking collectives on a DDP training step: MLP {WIDTH}-{WIDTH}-{WIDTH}-10, "
         f"batch {BATCH}, 2 CPU ranks, gloo, torch {torch.__version__}; each step also gathers "
         "the loss and sums the correct predictions (2 checked collectives, 3 with DDP's). "
-        f"Median of {rounds} rounds of {STEPS} steps; rounds interleave the configurations. "
+        f"Median of {rounds} rounds of {STEPS} steps; rounds interleave the configurations, "
+        "every other round in reverse order. "
         "Wall: the slowest rank's step; each ratio is a round's against the same round's "
         "checks off (a busy moment of the machine hits both), median and range over rounds. "
         "CPU: both ranks' processes, per step, and the launcher's over the whole launch per "
