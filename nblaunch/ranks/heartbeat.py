@@ -384,7 +384,7 @@ class HeartbeatThread:
         still_s = 0.0 if final else now - self._last_moved
         in_flight = None
         collective = position.collective
-        pending = process_groups.pending(groups)
+        pending = process_groups.pending(groups, calling=collective is not None)
         proof = waits.heartbeat_fields(self.target)
         if final:
             proof["p2p_wait"] = None

@@ -63,11 +63,22 @@ def group_status() -> dict[str, tuple[int, int]] | None:
     return status or None
 
 
-def pending(status: dict[str, tuple[int, int]] | None) -> tuple[str, int] | None:
-    """The group and number of the oldest collective issued and not completed, if any."""
+def pending(
+    status: dict[str, tuple[int, int]] | None, *, calling: bool = False
+) -> tuple[str, int] | None:
+    """The group and number of the oldest collective issued and not completed, if any.
+
+    With ``calling`` (the rank's thread is inside a blocking ``torch.distributed`` call), the
+    number is the last one issued on that group instead: the call issued it and waits for it.
+    Gloo's count of completed collectives is not reliable there: its worker threads store it
+    without ordering, so it can stay one behind (a finished #2 counted as not done) for as long
+    as the next collective waits.
+    """
     # Collectives are numbered from 1; -1 means none completed yet.
     waiting = [
-        (max(done, 0) + 1, name) for name, (issued, done) in (status or {}).items() if issued > done
+        (issued if calling else max(done, 0) + 1, name)
+        for name, (issued, done) in (status or {}).items()
+        if issued > done
     ]
     if not waiting:
         return None
