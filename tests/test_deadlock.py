@@ -159,6 +159,31 @@ def test_a_collective_on_a_returned_rank_is_left_to_the_returned_rank_report():
     assert text.startswith("rank 1 of 2 returned while rank 0 waits in a collective"), text
 
 
+def test_a_finished_collective_the_recorder_marks_late_does_not_hide_a_returned_rank():
+    # gloo's flight recorder may keep #3 unfinished for good: rank 0 issued #4, which rank 1
+    # (returned after 3) never did, so rank 0 waits in #4 whatever the recorder says.
+    hang = HangMonitor(SimpleNamespace(world_size=2, hang_timeout=300, debug=False))
+    run = FakeRun()
+    final = {"kind": "heartbeat", "rank": 1, "where": "", "collective": None, "wait_s": 0.0,
+             "busy_s": 1.0, "last_output": 0.0, "stack": "", "seq": 3, "still_s": 0.0,
+             "in_flight": None, "groups": {"0": 3}, "members": MEMBERS}  # fmt: skip
+    hang.on_event(run, final)
+    hang.on_event(run, {"kind": "result", "rank": 1, "value_bytes": b""})
+    run.outcome.finished.add(1)
+    run.clock += 0.5
+    waiting = {**final, "rank": 0, "collective": "DDP gradient all-reduce", "still_s": 1.0,
+               "stack": "s0", "where": "train.py:5 in step", "groups": {"0": 4},
+               "in_flight": {"group": "0", "group_desc": "", "seq": 3, "label": "all_reduce",
+                             "shapes": [[8]]}}  # fmt: skip
+    hang.on_event(run, waiting)
+    run.clock += 1.2
+    root = hang.check(run)
+    assert root is not None
+    text = str(root.exception)
+    assert text.startswith("rank 1 of 2 returned while rank 0 waits in a collective"), text
+    assert "rank 0 waits in DDP gradient all-reduce (collective #4) at train.py:5" in text, text
+
+
 def test_the_monitor_proves_a_receive_from_a_returned_rank_at_once():
     hang = HangMonitor(SimpleNamespace(world_size=2, hang_timeout=None, debug=False))
     run = FakeRun()

@@ -67,6 +67,15 @@ class _Beat:
             return in_flight["group"], in_flight["seq"]
         return process_groups.DEFAULT_GROUP, self.event["seq"]
 
+    def waiting_in(self, seq: int) -> _Beat:
+        """This heartbeat, waiting in collective ``seq`` of its group instead (the recorder's
+        entry, with its shapes, was an earlier one)."""
+        in_flight = self.event.get("in_flight")
+        if in_flight:
+            in_flight = {**in_flight, "seq": seq, "shapes": None}
+            return _Beat({**self.event, "in_flight": in_flight}, self.received)  # type: ignore[typeddict-item]
+        return _Beat({**self.event, "seq": seq}, self.received)
+
     def issued(self, group: str) -> int | None:
         """How many collectives this rank had issued on ``group`` at this heartbeat."""
         groups = self.event.get("groups") or {}
@@ -230,7 +239,14 @@ class HangMonitor:
             finals = [self._final_issued(r, group) for r in self.returned]
             if seq is not None and all(s is not None for s in finals):
                 # Sequence numbers tell for sure: the returned ranks never issued this one.
-                if seq > min(finals) and now - last_return >= FINISHED_GRACE_S:  # type: ignore[type-var]
+                # gloo's flight recorder may mark a finished collective late, for good, so a
+                # rank that issued calls past the returned ranks' waits in the first of them.
+                fewest: int = min(finals)  # type: ignore[type-var,assignment]
+                issued = beat.issued(group) or 0
+                if seq <= fewest < issued:
+                    beat = self.beats[rank] = beat.waiting_in(fewest + 1)
+                    seq = fewest + 1
+                if seq > fewest and now - last_return >= FINISHED_GRACE_S:
                     waiting.append(rank)
             else:
                 since = self._still_since(run, rank, now)
