@@ -239,13 +239,12 @@ class HangMonitor:
             finals = [self._final_issued(r, group) for r in self.returned]
             if seq is not None and all(s is not None for s in finals):
                 # Sequence numbers tell for sure: the returned ranks never issued this one.
-                # gloo's flight recorder may mark a finished collective late, for good, so a
-                # rank that issued calls past the returned ranks' waits in the first of them.
+                # gloo's recorder may never mark a finished call: one issued past the returned
+                # ranks' calls is where this rank waits.
                 fewest: int = min(finals)  # type: ignore[type-var,assignment]
-                issued = beat.issued(group) or 0
-                if seq <= fewest < issued:
-                    beat = self.beats[rank] = beat.waiting_in(fewest + 1)
+                if seq <= fewest < (beat.issued(group) or 0):
                     seq = fewest + 1
+                    self.beats[rank] = beat.waiting_in(seq)
                 if seq > fewest and now - last_return >= FINISHED_GRACE_S:
                     waiting.append(rank)
             else:
@@ -265,7 +264,7 @@ class HangMonitor:
         n = self.world_size
         done_text = ", ".join(
             f"rank {r} {'exited' if r in self.exited else 'returned'} after "
-            f"{self._count(self.final_seq.get(r))}"
+            f"{_count(self.final_seq.get(r))}"
             for r in returned
         )
         wait_text = "; ".join(
@@ -353,7 +352,7 @@ class HangMonitor:
         timeout = f"{self.hang_timeout:g}"
         lines = [f"  rank {r}: {self._describe(r, now, stills[r])}" for r in running]
         lines += [
-            f"  rank {r}: returned after {self._count(self.final_seq.get(r))}"
+            f"  rank {r}: returned after {_count(self.final_seq.get(r))}"
             for r in sorted(self.returned)
         ]
         if outside:
@@ -417,12 +416,6 @@ class HangMonitor:
             return self.final_seq.get(rank) if group == process_groups.DEFAULT_GROUP else None
         return beat.issued(group)
 
-    @staticmethod
-    def _count(seq: int | None) -> str:
-        if seq is None:
-            return "its last collective"
-        return f"{seq} collective{'s' if seq != 1 else ''}"
-
     def _root(
         self,
         run: RunContext,
@@ -466,3 +459,10 @@ def _ranks(ranks: list[int]) -> str:
 
 def _rank_words(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
+
+
+def _count(seq: int | None) -> str:
+    """How many collectives a returned rank issued, in words."""
+    if seq is None:
+        return "its last collective"
+    return f"{seq} collective{'s' if seq != 1 else ''}"
