@@ -218,7 +218,9 @@ WIDGETLESS_CELLS = {
     "notebook_launcher(train, (30,), 2)\n",
     "failed": "def fail():\n"
     "    import nblaunch\n"
+    "    import torch.distributed as dist\n"
     "    print(f'rank {nblaunch.rank()} about to fail')\n"
+    "    dist.barrier()  # both lines printed before rank 1 fails and rank 0 is stopped\n"
     "    if nblaunch.rank() == 1:\n"
     "        raise ValueError('boom on rank 1')\n"
     "\n"
