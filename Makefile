@@ -25,8 +25,10 @@ demo: install
 test: install
 	$(PY) -m pytest -q -m "not screenshots"
 
+# Every browser test, the 8- and 64-rank one too, saving its pictures over the docs' own (a
+# test run keeps them in its temporary folders).
 screenshots: install
-	$(PY) -m pytest -q -m screenshots
+	NBLAUNCH_DOC_PICTURES=1 $(PY) -m pytest -q -m browser
 
 test-fast: install
 	$(PY) -m pytest -q -m "not browser and not slow"

@@ -1,8 +1,9 @@
 """What a person sees: JupyterLab in a real Chromium runs the quick-start notebook.
 
 Run alone with ``pytest -m browser`` (``make test-browser``). Needs Debian's chromium at
-``/usr/bin/chromium`` (``apt-get install chromium``); the test is skipped without it. It saves
-``docs/launch-view.png``, the screenshot the README shows.
+``/usr/bin/chromium`` (``apt-get install chromium``); the test is skipped without it. The
+tests take the pictures the docs show (``docs/launch-view.png`` and others) into their temporary
+folders; ``make screenshots`` (``NBLAUNCH_DOC_PICTURES=1``) saves them over the docs' own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-SCREENSHOT = ROOT / "docs" / "launch-view.png"
 
 pytestmark = [
     pytest.mark.browser,
@@ -34,6 +34,13 @@ pytestmark = [
         not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium"
     ),
 ]
+
+
+def picture(name: str, tmp_path: Path) -> Path:
+    """Where a test saves the picture ``docs/<name>``: there under ``make screenshots``, else in
+    the test's temporary folder, so that running the tests leaves the checkout as it was."""
+    folder = ROOT / "docs" if os.environ.get("NBLAUNCH_DOC_PICTURES") == "1" else tmp_path
+    return folder / name
 
 
 def _free_port() -> int:
@@ -133,7 +140,7 @@ def _running(url: str, height: int):
             browser.close()
 
 
-def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab):
+def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab, tmp_path):
     from playwright.sync_api import expect
 
     with _running(jupyterlab, height=1600) as page:
@@ -151,9 +158,9 @@ def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab):
         page.wait_for_timeout(500)  # let the last repaint settle before the picture
         outputs = page.locator(".jp-Cell", has=view).locator(".jp-Cell-outputWrapper")
         outputs.scroll_into_view_if_needed()
-        SCREENSHOT.parent.mkdir(exist_ok=True)
-        outputs.screenshot(path=str(SCREENSHOT))
-    assert SCREENSHOT.stat().st_size > 10_000
+        shot = picture("launch-view.png", tmp_path)
+        outputs.screenshot(path=str(shot))
+    assert shot.stat().st_size > 10_000
 
 
 CHART_CELLS = [
@@ -188,10 +195,10 @@ def chart_notebook(tmp_path):
     yield from _notebook(tmp_path, "charts.ipynb", CHART_CELLS)
 
 
-def test_the_loss_chart_moves_while_ranks_train(chart_notebook):
+def test_the_loss_chart_moves_while_ranks_train(chart_notebook, tmp_path):
     from playwright.sync_api import expect
 
-    shots = [ROOT / "docs" / f"metrics-chart-{n}.png" for n in (1, 2)]
+    shots = [picture(f"metrics-chart-{n}.png", tmp_path) for n in (1, 2)]
     with _running(chart_notebook, height=1400) as page:
         charts = page.locator(".nbl-root .nbl-charts")
         expect(charts).to_be_visible(timeout=120_000)
@@ -229,10 +236,10 @@ def debug_notebook(tmp_path):
     yield from _notebook(tmp_path, "debug.ipynb", DEBUG_CELLS)
 
 
-def test_a_rank_s_breakpoint_is_answered_in_the_notebook(debug_notebook):
+def test_a_rank_s_breakpoint_is_answered_in_the_notebook(debug_notebook, tmp_path):
     from playwright.sync_api import expect
 
-    shot = ROOT / "docs" / "debugger.png"
+    shot = picture("debugger.png", tmp_path)
     with _running(debug_notebook, height=900) as page:
         prompt = page.locator(".jp-Stdin-input")
         expect(prompt).to_be_visible(timeout=120_000)
@@ -294,12 +301,12 @@ def _kernel_idle(page, timeout_ms: int = 90_000) -> None:
     )
 
 
-def test_a_background_run_s_view_comes_back_after_a_page_reload(background_notebook):
+def test_a_background_run_s_view_comes_back_after_a_page_reload(background_notebook, tmp_path):
     """Start a background run, run another cell meanwhile, reload the page (the outputs go, the
     kernel answers at once), show the view again in a new cell, see it move, stop it there."""
     from playwright.sync_api import expect, sync_playwright
 
-    shots = [ROOT / "docs" / f"background-{n}.png" for n in ("before-reload", "after-reload")]
+    shots = [picture(f"background-{n}.png", tmp_path) for n in ("before-reload", "after-reload")]
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
@@ -428,8 +435,8 @@ def many_ranks(request, tmp_path):
 
 
 @pytest.mark.screenshots
-def test_screenshots_at_8_and_64_ranks(many_ranks):
+def test_screenshots_at_8_and_64_ranks(many_ranks, tmp_path):
     """The pictures docs/view.md shows (64 CPU ranks: a minute or more on 2 cores)."""
     ranks, url = many_ranks
-    times = _show_many_ranks(url, ranks, ROOT / "docs" / f"view-{ranks}-ranks.png")
+    times = _show_many_ranks(url, ranks, picture(f"view-{ranks}-ranks.png", tmp_path))
     print(f"{ranks} ranks in JupyterLab, seconds after run-all: {times}")
