@@ -20,6 +20,11 @@ so only the step differs. Each configuration is timed ``ROUNDS`` times, interlea
 ``STEPS`` steps after ``WARMUP`` steps; a step's time is the slowest rank's mean, and the table
 shows the median over rounds, and for the ratios against checks off (each round's against the
 same round's) their range too: on a shared machine single rounds swing by tens of percent.
+
+Two launches of the same code differ by up to ±20% on this machine (measured: the same
+``debug=False`` step's CPU), which hides a cost of a few percent. So each round also runs one
+launch in which the same ranks alternate blocks of ``BLOCK`` steps checked and unchecked
+(``alternating_blocks``; A B B A ...): the second table is their ratio, per round.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import resource
 import statistics
 import sys
+from typing import Any
 
 import nblaunch
 
@@ -35,6 +41,30 @@ WARMUP = 20
 STEPS = 200
 BATCH = 64
 WIDTH = 256
+BLOCK = 25  # steps per block in the alternating launch
+BLOCKS = 16  # blocks of each kind per launch
+
+
+def mlp() -> Any:
+    """The step's model, the same weights every time."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10)
+    )
+
+
+def ddp_step(model: Any, optimizer: Any, inputs: Any, targets: Any, loss_fn: Any) -> None:
+    """One step of a DDP model, with the two collectives a training loop makes itself."""
+    optimizer.zero_grad()
+    logits = model(inputs)
+    loss = loss_fn(logits, targets)
+    loss.backward()
+    optimizer.step()
+    nblaunch.gather(loss.detach())
+    nblaunch.all_reduce((logits.argmax(1) == targets).sum(), "sum")
 
 
 def train_step_timing(library: str, steps: int, warmup: int) -> tuple[float, float]:
@@ -46,10 +76,7 @@ def train_step_timing(library: str, steps: int, warmup: int) -> tuple[float, flo
     import torch
     from torch import nn
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10)
-    )
+    model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     inputs = torch.randn(BATCH, WIDTH)
     targets = torch.randint(0, 10, (BATCH,))
@@ -75,13 +102,7 @@ def train_step_timing(library: str, steps: int, warmup: int) -> tuple[float, flo
         model = nn.parallel.DistributedDataParallel(model)
 
         def step() -> None:
-            optimizer.zero_grad()
-            logits = model(inputs)
-            loss = loss_fn(logits, targets)
-            loss.backward()
-            optimizer.step()
-            nblaunch.gather(loss.detach())
-            nblaunch.all_reduce((logits.argmax(1) == targets).sum(), "sum")
+            ddp_step(model, optimizer, inputs, targets, loss_fn)
 
     for _ in range(warmup):
         step()
@@ -90,6 +111,90 @@ def train_step_timing(library: str, steps: int, warmup: int) -> tuple[float, flo
     for _ in range(steps):
         step()
     return (time.perf_counter() - started) / steps, (time.process_time() - cpu) / steps
+
+
+def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, float]]]:
+    """In a rank of a launch with the default checks: the step of ``train_step_timing``,
+    timed in blocks of ``block`` steps that alternate between checked and unchecked (A B B A:
+    each kind as often first), ``blocks`` of each. Unchecked is what ``debug=False`` runs:
+    torch's own functions, nothing sent, and a DDP model made without the checks' comm hook
+    (same weights). Returns each block's wall and CPU seconds per step, by kind."""
+    import contextlib
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from nblaunch.ranks import fingerprints
+
+    outbox = fingerprints.current()
+    assert outbox is not None, "the checks are off in this launch"
+    # The checks' wrappers of torch.distributed's functions and of DDP's constructor.
+    wrapped = {
+        name: value
+        for name in dir(dist)
+        if hasattr(value := getattr(dist, name), "__nblaunch_original__")
+    }
+    patched_init = DDP.__init__
+
+    @contextlib.contextmanager
+    def unchecked():
+        fingerprints._outbox = None
+        for name, function in wrapped.items():
+            setattr(dist, name, function.__nblaunch_original__)
+        DDP.__init__ = patched_init.__nblaunch_original__
+        try:
+            yield
+        finally:
+            fingerprints._outbox = outbox
+            for name, function in wrapped.items():
+                setattr(dist, name, function)
+            DDP.__init__ = patched_init
+
+    inputs = torch.randn(BATCH, WIDTH)
+    targets = torch.randint(0, 10, (BATCH,))
+    loss_fn = nn.CrossEntropyLoss()
+    # Two models of each kind, made C U U C and used in turn: where a model's tensors land in
+    # memory moves its step by a few percent, and that must not pass for the checks' cost.
+    models: dict[str, list[Any]] = {"checked": [], "unchecked": []}
+    for kind in ("checked", "unchecked", "unchecked", "checked"):
+        with contextlib.nullcontext() if kind == "checked" else unchecked():
+            model = DDP(mlp())
+        models[kind].append((model, torch.optim.SGD(model.parameters(), lr=0.01)))
+
+    def steps(kind: str, n: int, block: int) -> None:
+        model, optimizer = models[kind][block % 2]
+        for _ in range(n):
+            ddp_step(model, optimizer, inputs, targets, loss_fn)
+
+    times: dict[str, list[tuple[float, float]]] = {"checked": [], "unchecked": []}
+    for i in range(2 * blocks + 4):  # the first four warm up each model
+        kind = "checked" if i % 4 in (0, 3) else "unchecked"
+        with contextlib.nullcontext() if kind == "checked" else unchecked():
+            dist.barrier()
+            started, cpu = time.perf_counter(), time.process_time()
+            steps(kind, block, i // 2)
+            elapsed = (time.perf_counter() - started) / block, (time.process_time() - cpu) / block
+        if i >= 4:
+            times[kind].append(elapsed)
+    return times
+
+
+def run_alternating() -> tuple[float, float]:
+    """One launch of ``alternating_blocks``: checked over unchecked, the slowest rank's median
+    block (wall), and both ranks' median blocks summed (CPU)."""
+    per_rank = nblaunch.notebook_launcher(
+        alternating_blocks, (BLOCKS, BLOCK), num_processes=2, device_type="cpu", display="none"
+    )
+
+    def median(kind: str, column: int) -> list[float]:
+        return [statistics.median(b[column] for b in rank[kind]) for rank in per_rank]
+
+    wall = max(median("checked", 0)) / max(median("unchecked", 0))
+    cpu = sum(median("checked", 1)) / sum(median("unchecked", 1))
+    return wall, cpu
 
 
 # What each mode passes as notebook_launcher(debug=...).
@@ -139,12 +244,14 @@ def main(rounds: int = ROUNDS) -> None:
     results: dict[tuple[str, str], list[tuple[float, float, float]]] = {
         (lib, mode): [] for lib, mode, _ in configs
     }
+    alternating = []
     for round_ in range(rounds):
         # Every other round in reverse: a launch's place in a round moves its step time by
         # up to 10% (two identical launches in a row measured 0.77-1.27x), so each
         # configuration takes each place equally often.
         for library, mode, _ in configs if round_ % 2 == 0 else configs[::-1]:
             results[(library, mode)].append(run(library, mode))
+        alternating.append(run_alternating())
 
     print(
         f"Cost of checking collectives on a DDP training step: MLP {WIDTH}-{WIDTH}-{WIDTH}-10, "
@@ -175,6 +282,15 @@ def main(rounds: int = ROUNDS) -> None:
             _ratios([r[1] / o[1] for r, o in pairs]),
         )
         print(f"| {label} | {wall:.3f} | {walls} | {cpu:.3f} | {cpus} | {launcher:.3f} |")
+    print(
+        f"\nThe same ranks in one launch, {BLOCKS} blocks of {BLOCK} steps checked and "
+        f"{BLOCKS} unchecked, alternating (checked: the default checks; unchecked: as "
+        "debug=False). Ratio of the median blocks, median and range over rounds.\n"
+    )
+    print("| one launch per round | wall, checked vs. unchecked | CPU, checked vs. unchecked |")
+    print("|---|---:|---:|")
+    walls, cpus = _ratios([w for w, _ in alternating]), _ratios([c for _, c in alternating])
+    print(f"| nblaunch, default checks | {walls} | {cpus} |")
     sys.stdout.flush()
 
 

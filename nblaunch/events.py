@@ -116,8 +116,8 @@ class InFlightInfo(TypedDict):
 class Collectives(TypedDict):
     """Collectives ranks issued (the out-of-band checks), as a joined node passes them on.
 
-    In a rank each call goes to its launcher down a socket of its own
-    (``nblaunch.ranks.fingerprints``), one pickled message per call, not through the event pipe.
+    In a rank each call goes to its launcher down a pipe of its own
+    (``nblaunch.ranks.fingerprints``), 13 bytes per call, not through the event pipe.
     """
 
     kind: Literal["collectives"]

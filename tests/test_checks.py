@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-import pickle
+import os
 import socket
 import struct
 import sys
@@ -22,7 +22,9 @@ from nblaunch.engine.checks import CallReader, CollectiveChecks, compare
 from nblaunch.engine.plan import plan_launch
 from nblaunch.engine.verdict import Cause
 from nblaunch.options import LaunchOptions
+from nblaunch.ranks import fingerprints
 from nblaunch.ranks.debug_report import digest, mismatch_message, record_of, same_facts
+from nblaunch.ranks.fingerprints import CALL, CALL_TAG, Outbox, Route, definition
 from tests.conftest import rank_children, wait_until
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -302,6 +304,22 @@ def test_healthy_real_training_raises_nothing():
     assert results == [steps, steps]  # every scenario ran to its end on both ranks
 
 
+def test_bench_debugs_alternating_launch_times_both_kinds():
+    """The benchmark turns the checks off and on inside ranks through their internals: it must
+    still find them."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_debug
+
+        per_rank = launch(bench_debug.alternating_blocks, (2, 3))
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    for times in per_rank:
+        assert sorted(times) == ["checked", "unchecked"]
+        for blocks in times.values():
+            assert len(blocks) == 2 and min(min(b) for b in blocks) > 0
+
+
 # --- the monitor alone ----------------------------------------------------------------------------
 
 
@@ -432,11 +450,9 @@ class Node(FakeRun):
 def test_only_a_node_without_every_rank_passes_its_ranks_calls_on(ranks, monkeypatch):
     monkeypatch.delenv("NBLAUNCH_CHECKS", raising=False)
     checks, node = CollectiveChecks(plan_launch(print, 2, LaunchOptions())), Node(ranks)
-    rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    rank = Outbox(1, 1, checks.reader.address)  # rank 1's end, in its first task
     try:
-        rank.connect("\0" + checks.reader.address)
-        data = pickle.dumps((1, 1, "0", 2, 1, facts(), [0, 1]))
-        rank.sendall(struct.pack("<I", len(data)) + data)
+        rank.add(Route(0, "0", [0, 1]), facts())
         assert wait_until(lambda: checks.check(node) is None and checks.open, timeout=5)
         calls = [{"rank": 1, "task": 1, "group": "0", "size": 2, "n": 1, "record": facts()}]
         calls[0]["members"] = [0, 1]
@@ -448,22 +464,25 @@ def test_only_a_node_without_every_rank_passes_its_ranks_calls_on(ranks, monkeyp
         checks.reader.close()
 
 
-def test_the_reader_takes_whole_records_and_drops_a_connection_that_sends_garbage():
+def test_the_reader_takes_whole_calls_and_drops_a_sender_of_garbage():
     reader = CallReader()
-    rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    read_end, pipe = os.pipe()
     stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        rank.connect("\0" + reader.address)
-        first, second = (pickle.dumps({"n": n}) for n in (1, 2))
-        message = struct.pack("<I", len(second)) + second
-        rank.sendall(struct.pack("<I", len(first)) + first + message[:5])
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as rank:  # a rank's first words
+            rank.connect("\0" + reader.address)
+            socket.send_fds(rank, [definition(("rank", 1, 3))], [read_end])
+        defined = definition(("group", 0, "0", 2, [0, 1])) + definition(("facts", 0, facts()))
+        second = CALL.pack(CALL_TAG, 0, 2, 0)
+        os.write(pipe, defined + CALL.pack(CALL_TAG, 0, 1, 0) + second[:5])
         got: list = []
         assert wait_until(lambda: got.extend(reader.read()) or got, timeout=5)
-        assert got == [{"n": 1}]  # the second is not whole yet
-        rank.sendall(message[5:])
+        first = {"rank": 1, "task": 3, "group": "0", "size": 2, "n": 1, "record": facts()}
+        assert got == [dict(first, members=[0, 1])]  # the second is not whole yet
+        os.write(pipe, second[5:])
         got.clear()
         assert wait_until(lambda: got.extend(reader.read()) or got, timeout=5)
-        assert got == [{"n": 2}]
+        assert got == [dict(first, n=2, members=None)]
 
         def hung_up(conn: socket.socket) -> bool:
             reader.read()
@@ -473,12 +492,42 @@ def test_the_reader_takes_whole_records_and_drops_a_connection_that_sends_garbag
                 return False
 
         stranger.connect("\0" + reader.address)
-        stranger.sendall(struct.pack("<I", 3) + b"bad")
+        stranger.sendall(struct.pack("<I", 3) + b"bad")  # no pipe
         assert wait_until(lambda: hung_up(stranger), timeout=5)
-        assert len(reader.connections) == 1  # the rank's
+        assert len(reader.pipes) == 1 and not reader.connecting  # the rank's
+        os.write(pipe, b"bad")
+        assert wait_until(lambda: reader.read() == [] and not reader.pipes, timeout=5)
+    finally:
+        os.close(pipe)
+        os.close(read_end)
+        stranger.close()
+        reader.close()
+
+
+def test_facts_are_sent_once_and_their_numbers_start_again_when_the_table_is_full(monkeypatch):
+    monkeypatch.setattr(fingerprints, "MAX_FACTS", 2)
+    reader = CallReader()
+    rank = Outbox(0, 1, reader.address)
+    try:
+        group, other = Route(0, "0", [0, 1]), Route(1, "5", [0, 2])
+        sent = [facts(shapes=((n,),)) for n in (1, 1, 2, 3, 1, 3)]
+        for n, call in enumerate(sent):
+            rank.add(other if n == 3 else group, call)
+        got: list = []
+        assert wait_until(lambda: got.extend(reader.read()) or len(got) == len(sent), timeout=5)
+        assert [call["record"] for call in got] == sent
+        assert [(call["group"], call["n"], call["members"]) for call in got] == [
+            ("0", 1, [0, 1]),
+            ("0", 2, None),
+            ("0", 3, None),
+            ("5", 1, [0, 2]),
+            ("0", 4, None),
+            ("0", 5, None),
+        ]
+        # Two tables of two: ((1,),) and ((2,),), then ((3,),) and ((1,),) again.
+        assert list(rank.facts) == [facts(shapes=((3,),)), facts(shapes=((1,),))]
     finally:
         rank.close()
-        stranger.close()
         reader.close()
 
 

@@ -245,6 +245,25 @@ def test_checks_leave_ddp_gradients_and_a_users_comm_hook_as_they_were():
             assert [calls for _, calls in by_rank] == [3, 3]  # the user's hook still ran each step
 
 
+def three_rank_gradients():
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 33))
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        model(torch.randn(8, 64, generator=generator)).sum().backward()
+    return [p.grad.flatten().tolist() for p in model.parameters()]
+
+
+def test_checks_leave_ddp_gradients_as_they_were_on_three_ranks():
+    # DDP scales by 1/3 (a multiplication); dividing by 3 differs in the last bit.
+    options = {"num_processes": 3, "device_type": "cpu", "display": "none"}
+    plain = notebook_launcher(three_rank_gradients, debug=False, **options)
+    assert notebook_launcher(three_rank_gradients, **options) == plain
+
+
 def test_in_a_kernel_a_rank_that_left_a_ddp_loop_fails_the_cell_with_its_line(kernel):
     cell = kernel.run(
         "import torch, torch.distributed as dist\n"

@@ -28,7 +28,8 @@ from nblaunch.engine.monitor import RunContext
 from nblaunch.engine.source_lines import cell_names
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedOperationException
-from nblaunch.ranks.debug_report import CALL_FIELDS, mismatch_message, record_of, same_facts
+from nblaunch.ranks.debug_report import mismatch_message, record_of, same_facts
+from nblaunch.ranks.fingerprints import CALL, CALL_TAG, DEFINITION, DEFINITION_TAG
 
 if TYPE_CHECKING:
     from nblaunch.engine.plan import LaunchPlan
@@ -42,15 +43,28 @@ _WHOLE_GROUP_RULES = ("all_gather", "all_gather_even")
 READ_BYTES = 1 << 19
 
 
-class CallReader:
-    """The launcher's end of the ranks' sockets: a listening socket in Linux's abstract
-    namespace (its name travels in the ranks' set-up options), and one connection per rank and
-    task. Nothing waits on it: :meth:`read` takes what arrived, without blocking.
+@dataclass
+class _Sender:
+    """One rank's connection for one task, with what it defined so far."""
 
-    Each message is a 4-byte length and a pickled tuple of ``CALL_FIELDS``, read into a dict of
-    them (a ``CollectiveCall``; a pickled dict is taken as it is). Only processes of this
-    user may connect (the abstract namespace has no file permissions), which may read this
-    process's memory anyway: their pickles are as trusted as the ranks' event pipes.
+    unread: bytes = b""  # the start of a message not yet whole
+    rank: int = -1
+    task: int = -1
+    groups: dict[int, tuple[str, int, list[int]]] = field(default_factory=dict)
+    facts: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+
+
+class CallReader:
+    """The launcher's end of the ranks' pipes: a listening socket in Linux's abstract namespace
+    (its name travels in the ranks' set-up options), where each rank hands over the reading end
+    of one pipe per task. Nothing waits on them: :meth:`read` takes what arrived, without
+    blocking.
+
+    The messages are calls by index and the definitions they refer to
+    (``nblaunch.ranks.fingerprints.CALL``); each call is read into a dict of
+    ``debug_report.CALL_FIELDS`` (a ``CollectiveCall``). Only processes of this user may connect
+    (the abstract namespace has no file permissions), which may read this process's memory
+    anyway: their pickles are as trusted as the ranks' event pipes.
     """
 
     def __init__(self) -> None:
@@ -59,40 +73,27 @@ class CallReader:
         self.listener.bind("\0" + self.address)
         self.listener.listen(256)
         self.listener.setblocking(False)
-        self.connections: dict[socket.socket, bytes] = {}  # each with its unfinished message
+        self.connecting: list[socket.socket] = []  # accepted, their pipe not handed over yet
+        self.pipes: dict[int, _Sender] = {}  # each pipe's reading end, and whose it is
 
     def read(self) -> list[dict[str, Any]]:
-        """Every whole record that arrived since the last read."""
+        """Every whole call that arrived since the last read."""
         self._accept()
         calls: list[dict[str, Any]] = []
-        for conn in list(self.connections):
+        for pipe, sender in list(self.pipes.items()):
             try:
-                data = conn.recv(READ_BYTES)
+                data = os.read(pipe, READ_BYTES)
             except BlockingIOError:
                 continue
             except OSError:
                 data = b""
             if not data:  # the task ended on that rank
-                self._drop(conn)
+                self._drop(pipe)
                 continue
-            buffer = self.connections[conn] + data
-            start = 0
-            while len(buffer) - start >= 4:
-                (size,) = struct.unpack_from("<I", buffer, start)
-                end = start + 4 + size
-                if end > len(buffer):
-                    break  # the rest comes with the next read
-                try:
-                    call = pickle.loads(buffer[start + 4 : end])
-                    calls.append(
-                        dict(zip(CALL_FIELDS, call, strict=True)) if type(call) is tuple else call
-                    )
-                except Exception:  # not a rank's record: stop listening to that connection
-                    self._drop(conn)
-                    break
-                start = end
-            if conn in self.connections:
-                self.connections[conn] = buffer[start:]
+            try:
+                sender.unread = _parse(sender, sender.unread + data, calls)
+            except Exception:  # not a rank's messages: stop listening to that pipe
+                self._drop(pipe)
         return calls
 
     def _accept(self) -> None:
@@ -100,24 +101,90 @@ class CallReader:
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, OSError):
-                return
+                break
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             _, uid, _ = struct.unpack("3i", creds)
             if uid != os.getuid():
                 conn.close()
                 continue
             conn.setblocking(False)
-            self.connections[conn] = b""
+            self.connecting.append(conn)
+        for conn in list(self.connecting):
+            try:
+                data, fds, _, _ = socket.recv_fds(conn, 4096, 1)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data, fds = b"", []
+            self.connecting.remove(conn)
+            conn.close()
+            if not fds:
+                continue  # hung up, or not a rank
+            sender = _Sender()
+            try:
+                if _parse(sender, data, []) or sender.rank < 0:
+                    raise ValueError("not a rank's first message")
+                os.set_blocking(fds[0], False)
+            except Exception:
+                os.close(fds[0])
+                continue
+            self.pipes[fds[0]] = sender
 
-    def _drop(self, conn: socket.socket) -> None:
-        self.connections.pop(conn, None)
-        conn.close()
+    def _drop(self, pipe: int) -> None:
+        if self.pipes.pop(pipe, None) is not None:
+            os.close(pipe)
 
     def close(self) -> None:
-        for conn in list(self.connections):
-            self._drop(conn)
+        for pipe in list(self.pipes):
+            self._drop(pipe)
+        for conn in self.connecting:
+            conn.close()
+        self.connecting.clear()
         with contextlib.suppress(OSError):
             self.listener.close()
+
+
+def _parse(sender: _Sender, buffer: bytes, calls: list[dict[str, Any]]) -> bytes:
+    """Append the calls of ``buffer``'s whole messages to ``calls``; return the rest."""
+    start, end = 0, len(buffer)
+    while start < end:
+        if buffer[start] == CALL_TAG:
+            if end - start < CALL.size:
+                break
+            _, group, n, facts = CALL.unpack_from(buffer, start)
+            start += CALL.size
+            name, size, members = sender.groups[group]
+            calls.append(
+                {
+                    "rank": sender.rank,
+                    "task": sender.task,
+                    "group": name,
+                    "size": size,
+                    "n": n,
+                    "record": sender.facts[facts],
+                    "members": members if n == 1 else None,
+                }
+            )
+            continue
+        if buffer[start] != DEFINITION_TAG:
+            raise ValueError(f"not a message: {buffer[start : start + 8]!r}")
+        if end - start < DEFINITION.size:
+            break
+        _, length = DEFINITION.unpack_from(buffer, start)
+        if end - start < DEFINITION.size + length:
+            break
+        item = pickle.loads(buffer[start + DEFINITION.size : start + DEFINITION.size + length])
+        start += DEFINITION.size + length
+        if item[0] == "rank":
+            _, sender.rank, sender.task = item
+        elif item[0] == "group":
+            _, index, name, size, members = item
+            sender.groups[index] = (name, size, members)
+        elif item[0] == "facts":
+            sender.facts[item[1]] = item[2]
+        else:
+            raise ValueError(f"not a definition: {item[0]!r}")
+    return buffer[start:]
 
 
 # The readers alive, by address: a pool's next task has new monitors but the same ranks, which

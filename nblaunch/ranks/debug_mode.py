@@ -43,8 +43,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 _skipped_dirs: tuple[str, ...] | None = None  # the above and torch's, once torch is imported
 _Tensor: Any = None  # torch.Tensor, once a collective was checked
-# Call sites named so far, by code object and line: every checked collective names its site.
-_sites: dict[tuple[Any, int], str] = {}
+_dtype_names: dict[Any, str] = {}  # str() of each dtype seen: every checked tensor names one
+# Call sites named so far, by code object (its id) and line, with the code object and the name:
+# every checked collective names its site.
+_sites: dict[tuple[int, int], tuple[Any, str]] = {}
 MAX_SITES = 10_000
 
 # Set while a verified call runs: collectives that torch calls internally (all_gather_object
@@ -130,13 +132,15 @@ def call_site() -> str:
     while frame is not None:
         code = frame.f_code
         if not code.co_filename.startswith(_skipped_dirs):
-            key = (code, frame.f_lineno)
-            site = _sites.get(key)
-            if site is None:
+            # By the code's id, kept alive by the entry: hashing a code object hashes its
+            # constants, microseconds for a cell's.
+            line = frame.f_lineno
+            entry = _sites.get((id(code), line))
+            if entry is None or entry[0] is not code:
                 if len(_sites) > MAX_SITES:
                     _sites.clear()
-                site = _sites[key] = _site_name(code.co_filename, frame.f_lineno)
-            return site
+                entry = _sites[(id(code), line)] = (code, _site_name(code.co_filename, line))
+            return entry[1]
         frame = frame.f_back
     return "unknown location"
 
@@ -194,7 +198,7 @@ def verify(
     if outbox is not None:  # the out-of-band checks (never with debug mode): send, go on
         route = outbox.route(group)
         if route is not None:
-            outbox.add(*route, _facts(operation, inputs, rule, dim, args, problem, outputs))
+            outbox.add(route, _facts(operation, inputs, rule, dim, args, problem, outputs))
         return
     import torch.distributed as dist
 
@@ -228,8 +232,12 @@ def _facts(
     for t in inputs:
         if isinstance(t, _Tensor):
             shapes.append(tuple(t.shape))
-            dtypes.append(str(t.dtype))
-            devices.append(t.device.type)
+            dtype = t.dtype
+            name = _dtype_names.get(dtype)
+            if name is None:
+                name = _dtype_names[dtype] = str(dtype)
+            dtypes.append(name)
+            devices.append("cpu" if t.is_cpu else t.device.type)  # t.device: a new object
     return (
         operation,
         call_site(),

@@ -197,7 +197,7 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         outbox = fingerprints.current()
         if outbox is not None:  # the out-of-band checks: torch asked once per group
             route = outbox.route(group)
-            ready, world = route is not None, route[1] if route is not None else 0
+            ready, world = route is not None, route.size if route is not None else 0
         else:
             ready, world = _ready(group)
         if not ready:
@@ -267,7 +267,7 @@ def verified_collectives() -> Iterator[None]:
 # DDP all-reduces gradients from C++ inside backward(), where no Python collective can be
 # patched. Its one Python entry point is the communication hook: debug mode registers one that
 # verifies each bucket like any other collective, then all-reduces it as DDP's default does
-# (divide by the world size, sum), so the gradients are the same bits as without the hook.
+# (multiply by 1/world size, sum), so the gradients are the same bits as without the hook.
 
 _verifying = False  # inside verified_collectives(): hooks made earlier stop verifying outside
 
@@ -283,6 +283,7 @@ class _VerifiedGradientHook:
     def __init__(self, process_group: Any, model: Any = None) -> None:
         self.process_group = process_group
         self.size = process_group.size()
+        self.scale = 1.0 / self.size
         self.user_state: Any = None
         self.user_hook: Callable[[Any, Any], Any] | None = None
         self.model = weakref.ref(model) if model is not None else lambda: None
@@ -311,10 +312,11 @@ class _VerifiedGradientHook:
         if self.user_hook is not None:
             with verified_region():  # the hook's own all_reduce is not verified again
                 return self.user_hook(self.user_state, bucket)
-        # torch's allreduce_hook, without its Python on the way: the group's own allreduce,
-        # not dist.all_reduce (patched, and logged), and a module-level callback. Every step
-        # pays this hook in place of DDP's C++ default (measured: half of the checks' cost).
-        tensor.div_(self.size)
+        # DDP's C++ default, from Python: scale by 1/size (the same bits as its scaling copy;
+        # a division costs twice a multiplication), then the group's own allreduce, not
+        # dist.all_reduce (patched, and logged), with a module-level callback. Every step pays
+        # this hook in place of the default.
+        tensor.mul_(self.scale)
         return self.process_group.allreduce([tensor]).get_future().then(_first_tensor)
 
 
