@@ -20,7 +20,7 @@ was most of what a check cost (measured in one launch, checked and unchecked blo
 alternating: the rank's main thread 1.04-1.11x with a pickle per call on a socket, 0.99-1.03x
 with nothing written), and a pipe's write costs a quarter of a socket's. The bytes wait in the
 kernel until read, and are still there when their writer was killed right after (gloo aborts a
-rank on some mismatches). Only when the launcher is a megabyte behind does a rank wait for it.
+rank on some mismatches). Only when the launcher is 20000 calls behind does a rank wait for it.
 Each call goes out before its collective starts, so a rank that hangs in it has told the
 launcher where; batching calls would need a thread that wakes up to flush them, and would lose
 the last ones of a rank that gloo aborted.
@@ -44,9 +44,10 @@ from typing import Any
 
 from nblaunch.ranks import worker
 
-# Bytes a rank may send ahead of the launcher's reading (~80000 calls) before it waits; the
-# pipe keeps Linux's default (64 KiB) where the user's pipes are at their limit.
-SEND_BUFFER_BYTES = 1 << 20
+# Bytes a rank may write ahead of the launcher's reading (~20000 calls) before it waits. Not
+# more: a user's pipes share 64 MiB (pipe-user-pages-soft), past which Linux gives a new pipe a
+# page or two; where it refuses the size, the pipe keeps its default (64 KiB).
+SEND_BUFFER_BYTES = 1 << 18
 # What a message starts with: a call (``CALL``: tag, the group's index, the call's number on
 # the group, the index of its facts) or a definition (tag, length, a pickled tuple: ``("rank",
 # rank, task)`` first, then ``("group", index, name, size, ranks)`` and ``("facts", index,
