@@ -125,16 +125,16 @@ class Collectives(TypedDict):
 
 
 class CollectiveCall(TypedDict):
-    """One collective call: who issued it, its process group, its number there, and debug
-    mode's record of it (operation, call site, shapes, dtypes, arguments: what
-    ``nblaunch.ranks.debug_report`` compares)."""
+    """One collective call: who issued it, its process group, its number there, and its facts
+    (operation, call site, shapes, dtypes, arguments: ``nblaunch.ranks.debug_report.FACTS``,
+    what the launcher compares; debug mode's record of them is taken too)."""
 
     rank: int
     task: int  # the task it belongs to (a pool runs many)
     group: str  # process group name; "0" is the default group
     n: int  # the checked collectives of ``group`` in the task, counted from 1
     size: int  # ranks in the group
-    record: dict[str, Any]
+    record: tuple[Any, ...] | dict[str, Any]
     # Also, with a group's first call of a task only: "members", the group's ranks.
 
 

@@ -61,8 +61,8 @@ class CallReader:
     blocking.
 
     The messages are calls by index and the definitions they refer to
-    (``nblaunch.ranks.fingerprints.CALL``); each call is read into a dict of
-    ``debug_report.CALL_FIELDS`` (a ``CollectiveCall``). Only processes of this user may connect
+    (``nblaunch.ranks.fingerprints.CALL``); each call is read into a
+    :class:`~nblaunch.events.CollectiveCall`. Only processes of this user may connect
     (the abstract namespace has no file permissions), which may read this process's memory
     anyway: their pickles are as trusted as the ranks' event pipes.
     """

@@ -25,10 +25,6 @@ MAX_LISTED = 16
 # What a call's facts tuple holds, in order: shapes, dtypes and devices of every input tensor
 # (tuples), the output tensors' shapes (or None), args as (name, value) pairs.
 FACTS = ("op", "site", "rule", "dim", "shapes", "dtypes", "devices", "out", "args", "problem")
-# What a rank sends the launcher for each call, in order (nblaunch.ranks.fingerprints): who,
-# which task, which group, its size, the call's number on the group, the call's facts, and with
-# the group's first call of a task its ranks (None otherwise).
-CALL_FIELDS = ("rank", "task", "group", "size", "n", "record", "members")
 # Rules under which equal facts on every rank may still disagree (outputs sized for others).
 _WHOLE_GROUP_RULES = ("all_gather", "all_gather_even")
 

@@ -77,12 +77,6 @@ def definition(item: tuple[Any, ...]) -> bytes:
     return DEFINITION.pack(DEFINITION_TAG, len(data)) + data
 
 
-def checks_on() -> bool:
-    """True inside a rank whose launch has the out-of-band checks on."""
-    context = worker.current()
-    return context is not None and not context.debug and bool(context.options.get("checks"))
-
-
 class Outbox:
     """Where one task's collectives go: a pipe to the launcher, and each group's numbers.
 
@@ -96,8 +90,6 @@ class Outbox:
     """
 
     def __init__(self, rank: int, task: int, address: str) -> None:
-        self.rank = rank
-        self.task = task
         # process group -> its route, or None where this rank has nothing to check
         self.routes: dict[Any, Route | None] = {}
         self.facts: dict[tuple[Any, ...], int] = {}  # the facts sent so far, by their index
@@ -193,19 +185,6 @@ def _dist() -> Any:
 def current() -> Outbox | None:
     """This task's outbox while the out-of-band checks are on in it, else None."""
     return _outbox
-
-
-def send(facts: tuple[Any, ...], group: Any = None) -> None:
-    """Number one call's facts (``debug_report.FACTS``) on ``group`` and send them.
-
-    Never waits for a peer.
-    """
-    outbox = _outbox
-    if outbox is None:
-        return
-    route = outbox.route(group)
-    if route is not None:
-        outbox.add(route, facts)
 
 
 @contextlib.contextmanager
