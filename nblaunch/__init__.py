@@ -36,8 +36,7 @@ from nblaunch.ranks.ops import (
     pad_across_processes,
     reduce,
 )
-from nblaunch.ranks.trigger import check_trigger, set_trigger
-from nblaunch.ranks.worker import (
+from nblaunch.ranks.this_rank import (
     device,
     is_main_process,
     local_rank,
@@ -45,6 +44,7 @@ from nblaunch.ranks.worker import (
     wait_for_everyone,
     world_size,
 )
+from nblaunch.ranks.trigger import check_trigger, set_trigger
 
 if TYPE_CHECKING:
     from nblaunch.engine.metrics_files import load_metrics

@@ -331,11 +331,11 @@ def test_close_stops_every_rank_and_a_closed_pool_says_how_to_start():
 
 def test_context_manager_and_restart_keep_the_options():
     with Pool(2, device_type="cpu", display="none", debug=True) as pool:
-        assert pool.run(lambda: nblaunch.ranks.worker.current().debug) == [True, True]
+        assert pool.run(lambda: nblaunch.ranks.this_rank.current().debug) == [True, True]
         first = pool.pids
         pool.restart()
         assert set(pool.pids).isdisjoint(first)
-        assert pool.run(lambda: nblaunch.ranks.worker.current().debug) == [True, True]
+        assert pool.run(lambda: nblaunch.ranks.this_rank.current().debug) == [True, True]
     assert pool.state is PoolState.CLOSED
     assert not any(_alive(pid) for pid in pool.pids)
 

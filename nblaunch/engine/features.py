@@ -3,8 +3,8 @@
 A feature may have two sides, each in its own package:
 
 - in the ranks (:mod:`nblaunch.ranks`), task hooks it registers with
-  :func:`nblaunch.ranks.worker.add_task_hook` when it is imported (the modules in
-  ``worker.RANK_FEATURES``, imported at set-up and preloaded in the forkserver);
+  :func:`nblaunch.ranks.this_rank.add_task_hook` when it is imported (the modules in
+  ``nblaunch.ranks.worker.RANK_FEATURES``, imported at set-up and preloaded in the forkserver);
 - in the notebook (:mod:`nblaunch.engine`), a *monitor* (:class:`~nblaunch.engine.monitor.Monitor`):
   it sees every event a rank sends and may end the run with a root cause; it sees the run
   through :class:`~nblaunch.engine.monitor.RunContext` only.

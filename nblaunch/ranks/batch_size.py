@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nblaunch.errors import NoExecutableBatchSizeError
-from nblaunch.ranks import worker
+from nblaunch.ranks import this_rank
 from nblaunch.ranks.memory import effective_batch_size_event, free_memory, is_out_of_memory
 
 # Key of the setup option through which a restart tells ranks where to resume the search.
@@ -44,13 +44,13 @@ _call_index = 0
 
 
 @contextlib.contextmanager
-def _count_searches(context: worker.RankContext) -> Iterator[None]:
+def _count_searches(context: this_rank.RankContext) -> Iterator[None]:
     global _call_index
     _call_index = 0
     yield
 
 
-worker.add_task_hook(_count_searches)
+this_rank.add_task_hook(_count_searches)
 
 
 def find_executable_batch_size(
@@ -154,9 +154,9 @@ class _Search:
         global _call_index
         self.function = function
         self.reduce = reduce
-        context = worker.current()
-        self.rank = worker.rank()
-        self.world_size = worker.world_size()
+        context = this_rank.current()
+        self.rank = this_rank.rank()
+        self.world_size = this_rank.world_size()
         self.key = f"{_call_index}:{getattr(function, '__qualname__', '?')}"
         task_id = context.task_id if context is not None else 0
         self.agreement = _Agreement.open(task_id, _call_index)
@@ -202,8 +202,8 @@ class _Search:
             if not oom_ranks:
                 self.history.append({"batch_size": self.batch_size, "oom": []})
                 if _reports() or self.agreement is None:
-                    worker.emit(self._attempt_event("ok", done=True))
-                    worker.emit(
+                    this_rank.emit(self._attempt_event("ok", done=True))
+                    this_rank.emit(
                         effective_batch_size_event(self.batch_size, self.world_size, self.ranks)
                     )
                 return result
@@ -213,7 +213,7 @@ class _Search:
                 next_size = self._next(self.batch_size)
             self.history.append({"batch_size": self.batch_size, "oom": oom_ranks})
             if _reports() or self.agreement is None:
-                worker.emit(self._attempt_event("oom", next_size=next_size, attempt=attempt))
+                this_rank.emit(self._attempt_event("oom", next_size=next_size, attempt=attempt))
             self.batch_size = next_size
 
     def _next(self, batch_size: int) -> int:
@@ -228,7 +228,7 @@ class _Search:
     def _waiting(self, attempt: int, next_size: int | None, reason: str) -> None:
         """Tell the parent this rank ran out of memory and waits for its peers' outcome."""
         self._told = True
-        worker.emit(
+        this_rank.emit(
             {
                 "kind": "progress",
                 "rank": self.rank,
@@ -256,7 +256,7 @@ class _Search:
         if not getattr(self, "_told", False) or _reports():
             return
         self._told = False
-        worker.emit(
+        this_rank.emit(
             {
                 "kind": "progress",
                 "rank": self.rank,
@@ -310,7 +310,7 @@ class _Search:
 
 def _reports() -> bool:
     """Whether this rank speaks for all after an agreement (rank 0; every rank alone)."""
-    return worker.rank() == 0
+    return this_rank.rank() == 0
 
 
 def _first_line(exc: BaseException) -> str:

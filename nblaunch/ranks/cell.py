@@ -109,11 +109,11 @@ class CellTask:
         import cloudpickle
 
         from nblaunch import pickling
-        from nblaunch.ranks import worker
+        from nblaunch.ranks import this_rank
 
-        context = worker.current()
+        context = this_rank.current()
         if context is None:  # called in-process (tests, a single process): rank 0 of 1
-            injected = {"rank": 0, "local_rank": 0, "world_size": 1, "device": worker.device()}
+            injected = {"rank": 0, "local_rank": 0, "world_size": 1, "device": this_rank.device()}
         else:
             injected = {
                 "rank": context.rank,

@@ -31,7 +31,7 @@ from typing import Any
 
 from nblaunch.errors import DistributedOperationException
 from nblaunch.options import debug_from_env
-from nblaunch.ranks import fingerprints, worker
+from nblaunch.ranks import fingerprints, this_rank
 from nblaunch.ranks.debug_report import mismatch_message, record_of
 
 # Bytes each rank contributes to the verification all_gather; a record is ~200 bytes, and one
@@ -56,7 +56,7 @@ _guard = threading.local()
 
 def debug_enabled() -> bool:
     """True when collectives are verified: the launch's ``debug`` or ``NBLAUNCH_DEBUG``."""
-    context = worker.current()
+    context = this_rank.current()
     if context is not None:
         return context.debug
     return debug_from_env()
@@ -308,7 +308,7 @@ def collective_device(group: Any = None) -> Any:
     backend = str(dist.get_backend(group)).lower()
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
-    context = worker.current()
+    context = this_rank.current()
     if context is not None and context.device.type == "cuda":
         return context.device
     return torch.device("cuda", torch.cuda.current_device())

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nblaunch.ranks import fingerprints, worker
+from nblaunch.ranks import fingerprints, this_rank
 from nblaunch.ranks.debug_mode import in_group, in_verified_region, verified_region, verify
 from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, format_shape
 
@@ -207,7 +207,7 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         except (AttributeError, KeyError, TypeError):
             return original(*args, **kwargs)  # not tensors where torch wants them: torch says so
         verify(operation, group=group, **spec)
-        whole = worker.interrupts_deferred() if name in COMPOUND else contextlib.nullcontext()
+        whole = this_rank.interrupts_deferred() if name in COMPOUND else contextlib.nullcontext()
         with verified_region(), whole:
             return original(*args, **kwargs)
 
@@ -389,10 +389,10 @@ def _verify_ddp_models() -> Callable[[], None]:
     return restore
 
 
-def _task_hook(context: worker.RankContext) -> contextlib.AbstractContextManager[Any]:
+def _task_hook(context: this_rank.RankContext) -> contextlib.AbstractContextManager[Any]:
     if context.debug or context.options.get("checks"):
         return verified_collectives()
     return contextlib.nullcontext()
 
 
-worker.add_task_hook(_task_hook)
+this_rank.add_task_hook(_task_hook)

@@ -31,7 +31,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from nblaunch.errors import safe_str
-from nblaunch.ranks import worker
+from nblaunch.ranks import this_rank
 
 # The setup option that asks for a post-mortem of a failing task before it is reported.
 DEBUG_ON_ERROR_OPTION = "debug_on_error"
@@ -66,8 +66,10 @@ class _PromptChannel(io.TextIOBase):
         output, prompt = text, ""
         if text.endswith(RankPdb.PROMPT):  # cmd.Cmd writes the prompt, then reads a line
             output, prompt = text[: -len(RankPdb.PROMPT)], RankPdb.PROMPT
-        worker.emit({"kind": "debug", "rank": worker.rank(), "output": output, "prompt": prompt})
-        answer = worker.receive()
+        this_rank.emit(
+            {"kind": "debug", "rank": this_rank.rank(), "output": output, "prompt": prompt}
+        )
+        answer = this_rank.receive()
         if answer.get("kind") != "debug_input":  # the parent went away or is stopping the run
             return "q\n"
         return answer["line"] + "\n"
@@ -94,13 +96,15 @@ class RankPdb(pdb.Pdb):
             super().interaction(frame, tb)
         finally:
             # The rank runs on: its badge goes back to RUNNING, the watchdog judges again.
-            worker.emit({"kind": "debug_end", "rank": worker.rank(), "output": self.channel.take()})
+            this_rank.emit(
+                {"kind": "debug_end", "rank": this_rank.rank(), "output": self.channel.take()}
+            )
 
 
 def set_trace(frame: FrameType | None = None) -> None:
     """Stop in the debugger at ``frame`` (default: the caller's)."""
     frame = frame or sys._getframe(1)
-    if worker.current() is None:  # in the notebook itself: the ordinary debugger
+    if this_rank.current() is None:  # in the notebook itself: the ordinary debugger
         pdb.Pdb().set_trace(frame)
         return
     RankPdb().set_trace(frame)
@@ -113,7 +117,7 @@ def breakpoint(rank: int | None = None) -> None:
     """
     if os.environ.get("PYTHONBREAKPOINT") == "0":
         return
-    if rank is not None and worker.current() is not None and worker.rank() != rank:
+    if rank is not None and this_rank.current() is not None and this_rank.rank() != rank:
         return
     set_trace(sys._getframe(1))
 
@@ -151,13 +155,13 @@ def post_mortem_last() -> None:
     """
     if _last_failure is None:
         raise LookupError(
-            f"rank {worker.rank()} has no failure to debug: its last task did not fail"
+            f"rank {this_rank.rank()} has no failure to debug: its last task did not fail"
         )
     post_mortem(_last_failure)
 
 
 @contextlib.contextmanager
-def _debugging(context: worker.RankContext) -> Iterator[None]:
+def _debugging(context: this_rank.RankContext) -> Iterator[None]:
     """Around each task: ``breakpoint()`` reaches the notebook; a failure is kept (and
     debugged at once with ``debug_on_error``)."""
     global _last_failure
@@ -177,4 +181,4 @@ def _debugging(context: worker.RankContext) -> Iterator[None]:
         sys.breakpointhook = previous
 
 
-worker.add_task_hook(_debugging)
+this_rank.add_task_hook(_debugging)

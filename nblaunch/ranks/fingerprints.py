@@ -42,7 +42,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from nblaunch.ranks import worker
+from nblaunch.ranks import this_rank
 
 # Bytes a rank may write ahead of the launcher's reading (~20000 calls) before it waits. Not
 # more: a user's pipes share 64 MiB (pipe-user-pages-soft), past which Linux gives a new pipe a
@@ -188,7 +188,7 @@ def current() -> Outbox | None:
 
 
 @contextlib.contextmanager
-def collective_outbox(context: worker.RankContext) -> Iterator[Outbox | None]:
+def collective_outbox(context: this_rank.RankContext) -> Iterator[Outbox | None]:
     """Keep an outbox while a task runs with the checks on (a task hook in every rank)."""
     global _outbox
     address = context.options.get("checks_address")
@@ -203,4 +203,4 @@ def collective_outbox(context: worker.RankContext) -> Iterator[Outbox | None]:
         outbox.close()
 
 
-worker.add_task_hook(collective_outbox)
+this_rank.add_task_hook(collective_outbox)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from nblaunch.events import Heartbeat, InFlightInfo
 from nblaunch.ranks import process_groups, waits, worker
-from nblaunch.ranks.worker import RankContext, add_task_hook, emit
+from nblaunch.ranks.this_rank import RankContext, add_task_hook, emit
 
 if TYPE_CHECKING:
     pass
@@ -272,7 +272,7 @@ class HeartbeatThread:
     rank
         The rank the heartbeats are for.
     send
-        Where heartbeats go (``nblaunch.ranks.worker.emit`` in a rank).
+        Where heartbeats go (``nblaunch.ranks.this_rank.emit`` in a rank).
     target
         Ident of the thread to watch; default the thread that creates this object.
     """

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nblaunch.ranks import worker
+from nblaunch.ranks import this_rank
 from nblaunch.ranks.heartbeat import collective_sequence
 
 LEVEL_ENV = ("NBLAUNCH_LOG_LEVEL", "ACCELERATE_LOG_LEVEL")
@@ -74,7 +74,7 @@ class RankLogger(logging.LoggerAdapter):
     ) -> None:
         if not self.isEnabledFor(level):
             return
-        if main_process_only and not in_order and worker.rank() != 0:
+        if main_process_only and not in_order and this_rank.rank() != 0:
             return
         extra = kwargs.get("extra") or {}
         msg, kwargs = self.process(msg, kwargs)  # replaces kwargs["extra"] by the adapter's
@@ -131,7 +131,7 @@ class RankRelayHandler(logging.Handler):
             if in_order:  # emit runs under the handler's lock: the counter is safe
                 seq = self.seq
                 self.seq += 1
-            worker.emit(
+            this_rank.emit(
                 {
                     "kind": "log",
                     "rank": self.rank,
@@ -196,8 +196,8 @@ def _basic_config_beside(
     return basic_config
 
 
-def _task_hook(context: worker.RankContext) -> contextlib.AbstractContextManager[Any]:
+def _task_hook(context: this_rank.RankContext) -> contextlib.AbstractContextManager[Any]:
     return relay_records(context.rank)
 
 
-worker.add_task_hook(_task_hook)
+this_rank.add_task_hook(_task_hook)

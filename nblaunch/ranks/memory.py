@@ -15,7 +15,7 @@ import random
 import sys
 from typing import Any
 
-from nblaunch.ranks import worker
+from nblaunch.ranks import this_rank
 
 # Text of out-of-memory errors that do not come as torch.OutOfMemoryError.
 OOM_MESSAGES = (
@@ -65,7 +65,7 @@ def _is_out_of_memory_one(exc: BaseException) -> bool:
     if not isinstance(exc, Exception):
         return False
     text = str(exc)
-    context = worker.current()
+    context = this_rank.current()
     # A plug-in's allocator says so in torch's words: "<TYPE> out of memory".
     kind = context.device.type if context is not None else "cpu"
     if kind not in ("cpu", "cuda") and f"{kind.upper()} out of memory" in text:
@@ -103,7 +103,7 @@ def empty_device_caches() -> None:
     with contextlib.suppress(Exception):
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-    context = worker.current()
+    context = this_rank.current()
     names = ["xpu", "npu", "mps"]
     if context is not None and context.device.type not in ("cpu", "cuda", "xla", *names):
         names.append(context.device.type)  # a plug-in's (hpu, a PrivateUse1 name)
@@ -131,7 +131,7 @@ def set_seed(seed: int, device_specific: bool = False) -> int:
         The seed used on this rank.
     """
     if device_specific:
-        seed += worker.rank()
+        seed += this_rank.rank()
     random.seed(seed)
     with contextlib.suppress(ImportError):
         import numpy
@@ -156,7 +156,7 @@ def per_device_batch_size(global_batch_size: int) -> int:
     """
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
         raise TypeError(f"global_batch_size must be an int, got {global_batch_size!r}")
-    size = worker.world_size()
+    size = this_rank.world_size()
     if global_batch_size < size or global_batch_size % size:
         lower = global_batch_size // size * size
         upper = lower + size
@@ -166,8 +166,8 @@ def per_device_batch_size(global_batch_size: int) -> int:
             f"use a multiple of {size} ({choices}), or another number of processes"
         )
     per_rank = global_batch_size // size
-    if worker.rank() == 0:  # one line for all ranks
-        worker.emit(effective_batch_size_event(per_rank, size))
+    if this_rank.rank() == 0:  # one line for all ranks
+        this_rank.emit(effective_batch_size_event(per_rank, size))
     return per_rank
 
 
@@ -178,7 +178,7 @@ def effective_batch_size_event(
     # Its own ``what``, so a view that keeps one line per (rank, what) shows both lines.
     return {
         "kind": "progress",
-        "rank": worker.rank(),
+        "rank": this_rank.rank(),
         "what": "effective_batch_size",
         "text": (
             f"batch {per_rank} per rank x {world_size} rank{'s' if world_size != 1 else ''} "

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from nblaunch.ranks import worker
+from nblaunch.ranks import this_rank
 
 # Added by log_metrics on CUDA ranks: peak allocated device memory, GiB.
 CUDA_PEAK = "cuda peak GiB"  # "<device type> peak GiB" on other accelerators that count
@@ -51,7 +51,7 @@ def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
             f"log_metrics(step=...): step must be a whole number (the training step), got a "
             f"{type(step).__name__}: {step!r:.60}"
         )
-    context = worker.current()
+    context = this_rank.current()
     if context is None:
         return
     found = {}
@@ -70,7 +70,7 @@ def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
     if step is None:
         step = _steps.get(context.rank, 0)
     _steps[context.rank] = int(step) + 1
-    worker.emit(
+    this_rank.emit(
         {
             "kind": "metrics",
             "rank": context.rank,

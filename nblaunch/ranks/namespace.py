@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nblaunch.ranks import debugger, worker
+from nblaunch.ranks import debugger, this_rank
 from nblaunch.ranks.cell import INJECTED_NAMES, to_notebook
 
 # Inside a rank: the namespace %%distributed cells run in; it persists between tasks.
@@ -35,7 +35,7 @@ def rank_info() -> dict[str, Any]:
     import psutil
     import torch
 
-    context = worker.current()
+    context = this_rank.current()
     device = context.device if context else torch.device("cpu")
     info: dict[str, Any] = {
         "device": str(device),
@@ -58,7 +58,7 @@ def pull_value(name: str) -> Any:
     """The value of ``name`` in this rank's namespace, ready for the notebook."""
     if name not in _namespace:
         defined = ", ".join(n for n in sorted(_namespace) if not n.startswith("_")) or "none"
-        raise NameError(f"rank {worker.rank()} has no name {name!r} (its names: {defined})")
+        raise NameError(f"rank {this_rank.rank()} has no name {name!r} (its names: {defined})")
     return to_notebook(_namespace[name])
 
 

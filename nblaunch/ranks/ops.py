@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nblaunch.ranks import worker
+from nblaunch.ranks import this_rank
 from nblaunch.ranks.debug_mode import (
     all_gather_flat,
     checks_enabled,
@@ -41,8 +41,8 @@ def _tensors(data: Any) -> list[Any]:
 
 def _map(function: Callable[[Any], Any], data: Any, operation: str) -> Any:
     """``function`` on every tensor of ``data`` (one collective each), never stopped half-way
-    by an interrupt (see :func:`nblaunch.ranks.worker.interrupts_deferred`)."""
-    with worker.interrupts_deferred():
+    by an interrupt (see :func:`nblaunch.ranks.this_rank.interrupts_deferred`)."""
+    with this_rank.interrupts_deferred():
         return _map_each(function, data, operation)
 
 
@@ -121,7 +121,7 @@ def gather_object(obj: Any) -> list[Any]:
     if checks_enabled():
         verify("nblaunch.ranks.ops.gather_object", rule="none")
     gathered: list[Any] = [None] * dist.get_world_size()
-    with verified_region(), worker.interrupts_deferred():
+    with verified_region(), this_rank.interrupts_deferred():
         unpatched("all_gather_object")(gathered, obj)
     if all(isinstance(item, (list, tuple)) for item in gathered):
         return [x for item in gathered for x in item]
@@ -169,7 +169,7 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
             rule="none",
             args={"from_process": from_process, "len(object_list)": len(object_list)},
         )
-    with verified_region(), worker.interrupts_deferred():
+    with verified_region(), this_rank.interrupts_deferred():
         unpatched("broadcast_object_list")(object_list, src=from_process)
     return object_list
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nblaunch.events import Released
-from nblaunch.ranks import worker
+from nblaunch.ranks import this_rank
 from nblaunch.ranks.debug_report import DDP_ALL_REDUCE
 
 # How long one release may wait for its peers (they are waiting already: it is quick).
@@ -76,12 +76,12 @@ def unsupported(record: dict[str, Any]) -> str | None:
 
 def handle(message: dict[str, Any]) -> None:
     """Between tasks, on a rank: issue the calls of a ``release`` message; say how it went."""
-    event: Released = {"kind": "released", "rank": worker.rank(), "ok": True, "problem": ""}
+    event: Released = {"kind": "released", "rank": this_rank.rank(), "ok": True, "problem": ""}
     try:
         release(message["calls"], message.get("timeout_s", RELEASE_TIMEOUT_S))
     except Exception as exc:
         event.update(ok=False, problem=f"{type(exc).__name__}: {exc}")
-    worker.emit(event)
+    this_rank.emit(event)
 
 
 def release(calls: list[dict[str, Any]], timeout_s: float) -> None:
@@ -113,7 +113,7 @@ def _group(name: str) -> Any:
     for group, group_name in c10d._world.pg_names.items():
         if group_name == name:
             return group
-    raise LookupError(f"no process group named {name!r} on rank {worker.rank()}")
+    raise LookupError(f"no process group named {name!r} on rank {this_rank.rank()}")
 
 
 def _issue(record: dict[str, Any], group: Any, deadline: float) -> None:

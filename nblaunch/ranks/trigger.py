@@ -10,20 +10,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from nblaunch.ranks import worker
+from nblaunch.ranks import this_rank
 from nblaunch.ranks.debug_mode import checks_enabled, collective_device, in_group, unpatched, verify
 
 _trigger = False
 
 
 @contextlib.contextmanager
-def _reset_trigger(context: worker.RankContext) -> Iterator[None]:
+def _reset_trigger(context: this_rank.RankContext) -> Iterator[None]:
     global _trigger
     _trigger = False  # a trigger set in a previous cell must not stop this one
     yield
 
 
-worker.add_task_hook(_reset_trigger)
+this_rank.add_task_hook(_reset_trigger)
 
 
 def set_trigger() -> None:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from nblaunch.events import PointToPoint
-from nblaunch.ranks import worker
+from nblaunch.ranks import this_rank
 
 # Requests remembered for a later wait(); a task that never waits on its requests drops the
 # oldest past this.
@@ -226,8 +226,8 @@ def heartbeat_fields(ident: int) -> dict[str, Any]:
     return {"p2p_wait": _waiting.get(ident), "p2p_posted": posted, "members": group_members()}
 
 
-def _task_hook(context: worker.RankContext) -> contextlib.AbstractContextManager[Any]:
+def _task_hook(context: this_rank.RankContext) -> contextlib.AbstractContextManager[Any]:
     return watched_requests()
 
 
-worker.add_task_hook(_task_hook)
+this_rank.add_task_hook(_task_hook)
