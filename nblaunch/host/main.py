@@ -24,7 +24,7 @@ from nblaunch.engine.background import RUNNING, state_of, stopped_error
 from nblaunch.engine.history import EventHub
 from nblaunch.engine.run import Run
 from nblaunch.engine.run_dirs import RunLease
-from nblaunch.errors import RankFailedError
+from nblaunch.host.outcome import pickled, write_private
 from nblaunch.host.serve import StreamServer
 
 
@@ -85,26 +85,3 @@ def run_detached(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     server.finish(blob)
     print(f"run host {os.getpid()}: the run ended ({entry.state})", flush=True)
     return 0
-
-
-def pickled(outcome: dict[str, Any], world_size: int) -> bytes:
-    """The outcome as a cloudpickle (a rank's exception may be of a class the notebook made);
-    one that will not pickle is told in words."""
-    import cloudpickle
-
-    try:
-        return cloudpickle.dumps(outcome)
-    except Exception as exc:
-        what = "a value" if "values" in outcome else f"the error {outcome['error']!r}"
-        error = RankFailedError(
-            f"the run ended, but {what} could not be pickled to send back ({exc})",
-            rank=0,
-            world_size=world_size,
-        )
-        return cloudpickle.dumps({"error": error})
-
-
-def write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as file:
-        file.write(data)

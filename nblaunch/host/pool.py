@@ -26,7 +26,7 @@ from nblaunch.engine import detached, wire
 from nblaunch.engine.background import RUNNING, STOPPED
 from nblaunch.engine.run_dirs import RunLease
 from nblaunch.events import Event
-from nblaunch.host.main import pickled, write_private
+from nblaunch.host.outcome import pickled, write_private
 from nblaunch.notebook.pool import Pool
 
 INFO, STATUS, TASK, INTERRUPT, RESTART, CLOSE = (

@@ -1,0 +1,33 @@
+"""What a run host leaves of a run's end: its outcome, pickled, in files only its user reads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from nblaunch.errors import RankFailedError
+
+
+def pickled(outcome: dict[str, Any], world_size: int) -> bytes:
+    """The outcome as a cloudpickle (a rank's exception may be of a class the notebook made);
+    one that will not pickle is told in words."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(outcome)
+    except Exception as exc:
+        what = "a value" if "values" in outcome else f"the error {outcome['error']!r}"
+        error = RankFailedError(
+            f"the run ended, but {what} could not be pickled to send back ({exc})",
+            rank=0,
+            world_size=world_size,
+        )
+        return cloudpickle.dumps({"error": error})
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path``, readable by this user only (0600 from the start)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
