@@ -34,7 +34,7 @@ from nblaunch.errors import (
 )
 from nblaunch.events import RunState
 from nblaunch.notebook.pool import Pool, PoolState
-from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
+from nblaunch.engine.pool_task import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
 from nblaunch.notebook.views import RecordingView
 from nblaunch.notebook.views.model import RunModel
 from nblaunch.notebook.views.summary import summary_bundle

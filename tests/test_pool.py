@@ -20,7 +20,7 @@ import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
 from nblaunch.notebook import views
 from nblaunch.notebook.pool import Pool, PoolState, parse_ranks, start_pool
-from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S
+from nblaunch.engine.pool_task import INTERRUPT_WAIT_S
 from nblaunch.notebook.views import RecordingView
 from nblaunch.ranks.namespace import rank_namespace
 

@@ -190,7 +190,7 @@ def rank_one_waits_in_recv():
 def test_a_peer_nothing_can_release_gets_the_pool_restarted_and_the_error_says_so_first(
     pool, monkeypatch
 ):
-    monkeypatch.setattr("nblaunch.notebook.pool_task.INTERRUPT_WAIT_S", 1.0)  # 3 s otherwise
+    monkeypatch.setattr("nblaunch.engine.pool_task.INTERRUPT_WAIT_S", 1.0)  # 3 s otherwise
     pool.run(keep_a_model)
     old = pool.pids
     began = time.monotonic()

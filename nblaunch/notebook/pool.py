@@ -14,7 +14,7 @@ tasks:
 - an interrupt (the kernel's stop button, or ``q`` in a rank's debugger) raises
   ``KeyboardInterrupt`` inside the ranks; a rank waiting in a collective that the stopped ranks
   never issued (no signal reaches it inside C code) is freed by them issuing it
-  (:mod:`nblaunch.notebook.pool_release`); one that nothing frees gets the pool restarted,
+  (:mod:`nblaunch.engine.pool_release`); one that nothing frees gets the pool restarted,
   and the cell's error (``PoolRestartedError``) says first that the ranks' state is gone;
 - a rank that dies fails its cell with the real cause and leaves the pool *broken*: the next
   cell says so at once (``%dist restart``) instead of hanging on the dead rank;
@@ -23,7 +23,7 @@ tasks:
   (``views.DeferredView``): the widget costs more than a quick cell on the pool.
 
 Inside a rank, :func:`nblaunch.ranks.namespace.rank_namespace` is the dictionary cells run in;
-it lives as long as the rank process. The end of a task is :mod:`nblaunch.notebook.pool_task`.
+it lives as long as the rank process. The end of a task is :mod:`nblaunch.engine.pool_task`.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from nblaunch.engine.backend import BackendFactory, ProcessBackend
 from nblaunch.engine.clock import REAL_CLOCK, Clock
 from nblaunch.engine.plan import serialize_payload
 from nblaunch.errors import LaunchError
-from nblaunch.notebook import pool_status
-from nblaunch.notebook.pool_ranks import (  # noqa: F401  (importable from here too)
+from nblaunch.engine import pool_status
+from nblaunch.engine.pool_ranks import (  # noqa: F401  (importable from here too)
     START_TIMEOUT_S,
     PoolRanks,
     current_pool,
     refuse_if_running,
 )
-from nblaunch.notebook.pool_status import PoolState  # noqa: F401
+from nblaunch.engine.pool_status import PoolState  # noqa: F401
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions
 from nblaunch.ranks import namespace
 
@@ -134,7 +134,7 @@ class Pool(PoolRanks):
         )
         nodes = None
         if num_nodes is not None:
-            from nblaunch.notebook.pool_nodes import PoolNodes  # not at import: ~10 ms
+            from nblaunch.cluster.pool_nodes import PoolNodes  # not at import: ~10 ms
 
             nodes = PoolNodes(
                 NodeOptions(num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)

@@ -21,10 +21,10 @@ from typing import Any
 from nblaunch.engine import detached, wire
 from nblaunch.engine.run_dirs import new_run_dir
 from nblaunch.errors import LaunchError
-from nblaunch.notebook import pool_ranks
+from nblaunch.engine import pool_ranks
 from nblaunch.notebook.pool import Pool
-from nblaunch.notebook.pool_status import PoolState
-from nblaunch.notebook.pool_task import TaskGuard
+from nblaunch.engine.pool_status import PoolState
+from nblaunch.engine.pool_task import TaskGuard
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
 
 # A detached pool with no cell for this long ends, and its host with it.

@@ -10,7 +10,7 @@ badge says DEBUGGING, the others' say they wait for it, and the run's clocks are
 hang watchdog does not judge and ``timeout=`` does not count.
 ``q`` raises ``bdb.BdbQuit`` in the rank: the run ends with every rank stopped and "rank N quit
 the debugger"; a pool's ranks keep their names (peers waiting in a collective are released,
-:mod:`nblaunch.notebook.pool_release`).
+:mod:`nblaunch.engine.pool_release`).
 
 In a rank ``breakpoint()`` stops there (``PYTHONBREAKPOINT=0`` still turns it off);
 :func:`breakpoint` with ``rank=`` stops on that rank only. ``debug_on_error=True`` holds a failing

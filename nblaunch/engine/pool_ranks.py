@@ -2,7 +2,7 @@
 
 :class:`PoolRanks` is the part of :class:`~nblaunch.notebook.pool.Pool` that owns the ranks and
 the engine (:class:`~nblaunch.engine.run.Run`): it starts them and waits until every one joined
-the process group, runs one task at a time (:mod:`nblaunch.notebook.pool_task` decides what
+the process group, runs one task at a time (:mod:`nblaunch.engine.pool_task` decides what
 happens after it), breaks when a rank is lost, starts fresh ranks when one could not be stopped,
 and stops them. A kernel has at most one running pool (:func:`current_pool`).
 """
@@ -24,13 +24,13 @@ from nblaunch.engine.run import Run
 from nblaunch.engine.supervisor import reap_let_go
 from nblaunch.errors import LaunchError, describe_exit
 from nblaunch.events import EventSink, NullView
-from nblaunch.notebook import pool_status
-from nblaunch.notebook.pool_status import PoolState
-from nblaunch.notebook.pool_task import INTERRUPT_WAIT_S, AfterTask, run_task
+from nblaunch.engine import pool_status
+from nblaunch.engine.pool_status import PoolState
+from nblaunch.engine.pool_task import INTERRUPT_WAIT_S, AfterTask, run_task
 from nblaunch.options import DISPLAY_MODES, LaunchOptions
 
 if TYPE_CHECKING:
-    from nblaunch.notebook.pool_nodes import PoolNodes
+    from nblaunch.cluster.pool_nodes import PoolNodes
 
 # How long starting the ranks (imports, device, process group) may take.
 START_TIMEOUT_S = 120.0

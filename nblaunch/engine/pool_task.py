@@ -4,7 +4,7 @@
 :func:`decide_task_end` is the decision, a pure function of what the ranks did: the pool is
 ready for the next cell, broken (a rank or a node was lost: only a restart helps), or restarted
 (a rank did not come back from an interrupt, not even once its peers issued the collective it
-waited in, :mod:`nblaunch.notebook.pool_release`: fresh ranks, their names gone, and the cell's
+waited in, :mod:`nblaunch.engine.pool_release`: fresh ranks, their names gone, and the cell's
 error says so first). The scripted engine tests (tests/test_engine.py) and tests/test_pool.py
 check both.
 """
@@ -23,7 +23,7 @@ from nblaunch.engine.run import Run
 from nblaunch.engine.verdict import Cause, RootCause, add_note, recreate_exception
 from nblaunch.errors import PoolRestartedError, safe_str
 from nblaunch.events import EventSink, RunState, diagnosis
-from nblaunch.notebook.pool_release import Releaser
+from nblaunch.engine.pool_release import Releaser
 
 # How long the ranks of an interrupted or failed task get to come back before the pool restarts.
 INTERRUPT_WAIT_S = 3.0
