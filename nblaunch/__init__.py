@@ -50,8 +50,9 @@ if TYPE_CHECKING:
     from nblaunch.engine.metrics_files import load_metrics
     from nblaunch.notebook.handle import RunHandle, attach, runs
     from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
-    from nblaunch.notebook.pool import Pool, start_pool
+    from nblaunch.notebook.pool import Pool
     from nblaunch.notebook.pool_detached import attach_pool
+    from nblaunch.notebook.pool_start import start_pool
 
 __version__ = "0.1.0"
 
@@ -60,7 +61,7 @@ _FRONT_ENDS = {
     "notebook_launcher": "nblaunch.notebook.launcher",
     "debug_launcher": "nblaunch.notebook.launcher",
     "Pool": "nblaunch.notebook.pool",
-    "start_pool": "nblaunch.notebook.pool",
+    "start_pool": "nblaunch.notebook.pool_start",
     "load_metrics": "nblaunch.engine.metrics_files",
     "RunHandle": "nblaunch.notebook.handle",
     "runs": "nblaunch.notebook.handle",
@@ -151,7 +152,8 @@ if "IPython" in sys.modules:
     from nblaunch.engine.supervisor import warm_up_if_interactive
     from nblaunch.notebook import launcher as _launcher
     from nblaunch.notebook import pool as _pool
+    from nblaunch.notebook import pool_start as _pool_start
 
     notebook_launcher, debug_launcher = _launcher.notebook_launcher, _launcher.debug_launcher
-    Pool, start_pool = _pool.Pool, _pool.start_pool
+    Pool, start_pool = _pool.Pool, _pool_start.start_pool
     warm_up_if_interactive()

@@ -98,7 +98,7 @@ FUNCTIONS = {
 
 
 def run_pool(endpoint: str, run_id: str, run_dir: str, num_nodes: int) -> None:
-    from nblaunch.notebook.pool import start_pool
+    from nblaunch.notebook.pool_start import start_pool
 
     pool = start_pool(
         1,

@@ -24,6 +24,7 @@ from scripted import (
 
 from nblaunch.engine.hang import FINISHED_GRACE_S
 from nblaunch.engine.plan import plan_launch, serialize_payload
+from nblaunch.engine.pool_task import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
 from nblaunch.engine.run import Run
 from nblaunch.engine.verdict import SECONDARY_GRACE_S, Cause, RootCause
 from nblaunch.errors import (
@@ -34,7 +35,6 @@ from nblaunch.errors import (
 )
 from nblaunch.events import RunState
 from nblaunch.notebook.pool import Pool, PoolState
-from nblaunch.engine.pool_task import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
 from nblaunch.notebook.views import RecordingView
 from nblaunch.notebook.views.model import RunModel
 from nblaunch.notebook.views.summary import summary_bundle

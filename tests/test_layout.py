@@ -6,8 +6,9 @@ A file's folder says which process it runs in (docs/design.md, "Packages by proc
 - ``nblaunch/engine/`` runs in the notebook's process: shared, ranks and itself, never the
   front ends, IPython or ipywidgets;
 - ``nblaunch/cluster/`` is the other machines: shared, ranks, engine and itself;
-- ``nblaunch/host/`` is a detached run's host process: shared, ranks, engine, itself, and the
-  notebook's pool (a detached pool's host runs it headless), never IPython or ipywidgets;
+- ``nblaunch/host/`` is a detached run's host process: shared, ranks, engine and itself (a
+  detached pool's host runs the engine's pool headless), never the notebook package, IPython or
+  ipywidgets;
 - ``nblaunch/notebook/`` is the front ends, the only package that imports IPython or ipywidgets;
 - the shared modules (``errors``, ``events``, ``options``, ``tracebacks``, ``pickling``) import
   only each other.
@@ -31,9 +32,8 @@ ALLOWED = {
     "ranks": {"shared", "ranks"},
     "engine": {"shared", "ranks", "engine"},
     "cluster": {"shared", "ranks", "engine", "cluster"},
-    # A detached pool's host runs the pool's engine headless (notebook.pool, display "none"),
-    # never IPython itself: the front-end libraries stay the notebook package's alone.
-    "host": {"shared", "ranks", "engine", "notebook", "host"},
+    # A detached pool's host runs the engine's pool headless: nothing of the front ends.
+    "host": {"shared", "ranks", "engine", "host"},
     "notebook": {"shared", "ranks", "engine", "cluster", "notebook"},
 }
 FRONT_END_LIBRARIES = {"IPython", "ipywidgets", "ipykernel"}
@@ -109,16 +109,15 @@ def test_imports_follow_the_packages_by_process():
     assert broken == []
 
 
-def module_level_imports(name: str, source: str, known: set[str]) -> set[str]:
-    """The modules of ``known`` that module ``name`` imports when it is imported (imports in
-    functions and under ``TYPE_CHECKING`` wait, so they cannot make a circle)."""
-    found = set()
-    for node in ast.parse(source).body:
+def imports_for_circles(name: str, source: str, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports anywhere: at module level and inside
+    functions alike, since a reader follows both and a change ripples through both. Only
+    imports under ``TYPE_CHECKING`` are left out: they never run."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        for statement in node.body if isinstance(node, ast.If) else [node]:
-            if isinstance(statement, (ast.Import, ast.ImportFrom)):
-                found.update(imported for _, imported in imports_of(name, ast.unparse(statement)))
+            node.body = [ast.Pass()]
+    found = {imported for _, imported in imports_of(name, ast.unparse(tree))}
     return {module for module in found if module in known and module != name}
 
 
@@ -126,7 +125,7 @@ def test_no_import_circle():
     # A package's __init__ runs before any of its modules: it is not a step in a circle.
     known = {name for name, path in modules() if path.name != "__init__.py"}
     graph = {
-        name: module_level_imports(name, path.read_text(), known)
+        name: imports_for_circles(name, path.read_text(), known)
         for name, path in modules()
         if name in known
     }
@@ -149,15 +148,17 @@ def test_no_module_or_class_is_too_long_to_read():
 
 
 def test_a_circle_would_be_found():
-    graph = {"a": module_level_imports("a", "from b import x\n", {"b"}), "b": {"a"}}
+    # An import inside a function makes a circle as much as one at the top.
+    in_function = "def f():\n    from b import x\n"
+    graph = {"a": imports_for_circles("a", in_function, {"b"}), "b": {"a"}}
     assert graph["a"] == {"b"}
     with pytest.raises(graphlib.CycleError):
         graphlib.TopologicalSorter(graph).prepare()
-    later = (
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import b\n"
-        "def f():\n    import b\n"
+    # Only TYPE_CHECKING imports never run.
+    typing_only = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import b\nelse:\n    import c\n"
     )
-    assert module_level_imports("a", later, {"b"}) == set()
+    assert imports_for_circles("a", typing_only, {"b", "c"}) == {"c"}
 
 
 def test_the_rules_catch_what_they_are_for():
@@ -178,6 +179,12 @@ def test_the_rules_catch_what_they_are_for():
         "3: nblaunch.notebook",
     ]
     assert broken_rules("nblaunch.notebook.ok", engine_module) == []
+    assert broken_rules(
+        "nblaunch.host.bad", "def f():\n    from nblaunch.notebook import pool\n"
+    ) == [
+        "2: nblaunch.notebook.pool",
+        "2: nblaunch.notebook",
+    ]
     assert broken_rules("nblaunch.cluster.bad", "from nblaunch.notebook.widgets import x\n") == [
         "1: nblaunch.notebook.widgets.x",
         "1: nblaunch.notebook.widgets",

@@ -529,7 +529,7 @@ def test_the_magic_notebook_trains_with_ddp_and_returns_the_model(tmp_path):
 
 @pytest.mark.slow
 def test_cells_run_on_a_running_pool_and_keep_their_state(ip):
-    from nblaunch.notebook.pool import start_pool
+    from nblaunch.notebook.pool_start import start_pool
 
     pool = start_pool(2, device_type="cpu", display="none")
     try:
@@ -555,7 +555,7 @@ def test_a_pushed_value_is_not_sent_again_by_the_cells_that_read_it(ip, monkeypa
     # Fault sweep case 7: after %dist push big (512 MB), every cell reading big took 6-9 s while
     # the notebook still held it: its copy was pickled and shipped each time, for nothing.
     import nblaunch.notebook.cell as cell_module
-    from nblaunch.notebook.pool import start_pool
+    from nblaunch.notebook.pool_start import start_pool
 
     sent = []
     serialize = cell_module.serialize_names
@@ -645,7 +645,7 @@ def all_reduce_sum():
 
 
 def test_the_ddp_tutorial_in_cells_one_shot_and_on_the_pool(ip):
-    from nblaunch.notebook.pool import start_pool
+    from nblaunch.notebook.pool_start import start_pool
 
     assert ip.run_cell(DDP_TUTORIAL_CELL).success
     cell = "demo_basic(rank, world_size)\ndist.is_initialized()"

@@ -144,7 +144,7 @@ class TwoNodes:
 
     def start_pool(self, **options):
         """A pool of 1 CPU rank per node across these nodes (``options``: start_pool's)."""
-        from nblaunch.notebook.pool import start_pool
+        from nblaunch.notebook.pool_start import start_pool
 
         options = {"num_nodes": 2, "rdzv_timeout": 60, "device_type": "cpu", **options}
         return start_pool(

@@ -18,9 +18,10 @@ from conftest import kernel_pool_pids, rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
-from nblaunch.notebook import views
-from nblaunch.notebook.pool import Pool, PoolState, parse_ranks, start_pool
 from nblaunch.engine.pool_task import INTERRUPT_WAIT_S
+from nblaunch.notebook import views
+from nblaunch.notebook.pool import Pool, PoolState, parse_ranks
+from nblaunch.notebook.pool_start import start_pool
 from nblaunch.notebook.views import RecordingView
 from nblaunch.ranks.namespace import rank_namespace
 

@@ -14,7 +14,8 @@ from conftest import rank_children, wait_until
 
 from nblaunch import PoolRestartedError
 from nblaunch.engine.checks import owed_calls
-from nblaunch.notebook.pool import PoolState, start_pool
+from nblaunch.notebook.pool import PoolState
+from nblaunch.notebook.pool_start import start_pool
 from nblaunch.ranks.debug_report import DDP_ALL_REDUCE
 from nblaunch.ranks.namespace import rank_namespace
 from nblaunch.ranks.release import unsupported

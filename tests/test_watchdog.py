@@ -17,7 +17,8 @@ from nblaunch.engine.source_lines import cell_names
 from nblaunch.engine.stragglers import find_straggler
 from nblaunch.events import RunState
 from nblaunch.ranks import process_groups
-from nblaunch.ranks.heartbeat import HeartbeatThread, read_position
+from nblaunch.ranks.heartbeat import HeartbeatThread
+from nblaunch.ranks.stacks import read_position
 
 
 def line_of(function, marker: str) -> int:

@@ -22,16 +22,16 @@ the others wait (a straggler) is named in an info ``Diagnosis``, live and at the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nblaunch.engine import deadlock
+from nblaunch.engine.beats import Beat
 from nblaunch.engine.monitor import RunContext
-from nblaunch.engine.source_lines import cell_names, with_source
+from nblaunch.engine.source_lines import cell_names
 from nblaunch.engine.stragglers import StragglerWatch
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, RankFailedError
-from nblaunch.events import Heartbeat, RunState
+from nblaunch.events import RunState
 from nblaunch.ranks import process_groups
 
 # Parent side: a rank returned while another waits in a collective. With sequence numbers the
@@ -51,60 +51,6 @@ if TYPE_CHECKING:
     from nblaunch.engine.plan import LaunchPlan
 
 
-@dataclass
-class _Beat:
-    event: Heartbeat
-    received: float  # the run's clock, in the parent
-
-    @property
-    def in_collective(self) -> bool:
-        return self.event["collective"] is not None
-
-    def waiting_for(self) -> tuple[str, int | None]:
-        """The process group and number of the collective this rank waits in."""
-        in_flight = self.event.get("in_flight")
-        if in_flight:
-            return in_flight["group"], in_flight["seq"]
-        return process_groups.DEFAULT_GROUP, self.event["seq"]
-
-    def waiting_in(self, seq: int) -> _Beat:
-        """This heartbeat, waiting in collective ``seq`` of its group instead (the recorder's
-        entry, with its shapes, was an earlier one)."""
-        in_flight = self.event.get("in_flight")
-        if in_flight:
-            in_flight = {**in_flight, "seq": seq, "shapes": None}
-            return _Beat({**self.event, "in_flight": in_flight}, self.received)  # type: ignore[typeddict-item]
-        return _Beat({**self.event, "seq": seq}, self.received)
-
-    def issued(self, group: str) -> int | None:
-        """How many collectives this rank had issued on ``group`` at this heartbeat."""
-        groups = self.event.get("groups") or {}
-        if group in groups:
-            return groups[group]
-        return self.event["seq"] if group == process_groups.DEFAULT_GROUP else None
-
-    def position(self) -> str:
-        event = self.event
-        where = with_source(event["where"])
-        p2p = event.get("p2p_wait")
-        if event["collective"] and p2p:
-            wait = deadlock.Wait(p2p["op"], p2p["group"], p2p["n"], p2p["peer"], p2p["tag"])
-            return f"in {event['collective']} ({deadlock.describe_wait(wait)}) at {where}"
-        if event["collective"]:
-            group, seq = self.waiting_for()
-            number = f"collective #{seq}" if seq else ""
-            in_flight = event.get("in_flight")
-            if number and group != process_groups.DEFAULT_GROUP:
-                desc = (in_flight or {}).get("group_desc") or group
-                desc = group if desc == "undefined" else desc  # new_group() without a name
-                number += f" of subgroup {desc}"
-            if in_flight and in_flight.get("shapes"):
-                number += f", shapes {in_flight['shapes']}"
-            number = f" ({number})" if number else ""
-            return f"in {event['collective']}{number} at {where}"
-        return f"at {where} (outside any collective)"
-
-
 class HangMonitor:
     """Stops runs whose ranks wait in collectives that can never complete; names stragglers.
 
@@ -121,10 +67,10 @@ class HangMonitor:
     def __init__(self, plan: LaunchPlan) -> None:
         self.world_size = plan.world_size
         self.hang_timeout = plan.hang_timeout
-        self.beats: dict[int, _Beat] = {}
+        self.beats: dict[int, Beat] = {}
         self.returned: dict[int, float] = {}  # rank -> when its Result arrived
         self.final_seq: dict[int, int | None] = {}
-        self.final_beat: dict[int, _Beat | None] = {}  # each returned rank's last heartbeat
+        self.final_beat: dict[int, Beat | None] = {}  # each returned rank's last heartbeat
         self.exited: set[int] = set()  # returned ranks whose task ended with sys.exit(0)
         self.stalled: set[int] = set()
         self.stragglers = StragglerWatch()
@@ -141,7 +87,7 @@ class HangMonitor:
         kind = event["kind"]
         self._new_beats = self._new_beats or kind in ("heartbeat", "result")
         if kind == "heartbeat":
-            self.beats[event["rank"]] = _Beat(event, run.now())  # type: ignore[arg-type]
+            self.beats[event["rank"]] = Beat(event, run.now())  # type: ignore[arg-type]
         elif kind == "result":
             rank = event["rank"]
             self.returned[rank] = run.now()
@@ -210,7 +156,7 @@ class HangMonitor:
             elif rank in self.stalled:
                 self._unstall(run, rank)
 
-    def _stall(self, run: RunContext, rank: int, beat: _Beat) -> None:
+    def _stall(self, run: RunContext, rank: int, beat: Beat) -> None:
         if rank in self.stalled or run.states.get(rank) != RunState.RUNNING:
             return
         self.stalled.add(rank)

@@ -1,10 +1,11 @@
 """A pool's ranks through their life: start, one task at a time, break, restart, close.
 
-:class:`PoolRanks` is the part of :class:`~nblaunch.notebook.pool.Pool` that owns the ranks and
-the engine (:class:`~nblaunch.engine.run.Run`): it starts them and waits until every one joined
-the process group, runs one task at a time (:mod:`nblaunch.engine.pool_task` decides what
-happens after it), breaks when a rank is lost, starts fresh ranks when one could not be stopped,
-and stops them. A kernel has at most one running pool (:func:`current_pool`).
+:class:`PoolRanks` owns a pool's ranks and its engine (:class:`~nblaunch.engine.run.Run`): it
+starts them and waits until every one joined the process group, runs one task at a time
+(:mod:`nblaunch.engine.pool_task` decides what happens after it), breaks when a rank is lost,
+starts fresh ranks when one could not be stopped, and stops them. A process has at most one
+running pool (:func:`current_pool`). The notebook's :class:`~nblaunch.notebook.pool.Pool` adds
+what a person runs and sees; a detached pool's host runs this class headless.
 """
 
 from __future__ import annotations
@@ -12,25 +13,20 @@ from __future__ import annotations
 import atexit
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from nblaunch.engine import shutdown
-from nblaunch.engine.backend import BackendFactory
+from nblaunch.engine import pool_status, shutdown
+from nblaunch.engine.backend import BackendFactory, ProcessBackend
 from nblaunch.engine.background import RUNNING, BackgroundTask
-from nblaunch.engine.clock import Clock
-from nblaunch.engine.history import EventHub
+from nblaunch.engine.clock import REAL_CLOCK, Clock
 from nblaunch.engine.plan import plan_launch
+from nblaunch.engine.pool_status import PoolState
+from nblaunch.engine.pool_task import INTERRUPT_WAIT_S, AfterTask, run_task
 from nblaunch.engine.run import Run
 from nblaunch.engine.supervisor import reap_let_go
 from nblaunch.errors import LaunchError, describe_exit
 from nblaunch.events import EventSink, NullView
-from nblaunch.engine import pool_status
-from nblaunch.engine.pool_status import PoolState
-from nblaunch.engine.pool_task import INTERRUPT_WAIT_S, AfterTask, run_task
 from nblaunch.options import DISPLAY_MODES, LaunchOptions
-
-if TYPE_CHECKING:
-    from nblaunch.cluster.pool_nodes import PoolNodes
 
 # How long starting the ranks (imports, device, process group) may take.
 START_TIMEOUT_S = 120.0
@@ -68,6 +64,19 @@ def refuse_if_running(what: str) -> None:
         )
 
 
+class Nodes(Protocol):
+    """A pool's other machines (:class:`nblaunch.cluster.pool_nodes.PoolNodes`), as the pool's
+    ranks use them: the cluster package sits above the engine, so the engine names only this."""
+
+    options: Any  # NodeOptions
+
+    def plan(self, function: Any, num_processes: int | None, options: LaunchOptions) -> Any: ...
+
+    def new_run(self, plan: Any) -> Run: ...
+
+    def end_joins(self) -> None: ...
+
+
 def _pool_task() -> None:
     """Stands in for the function during planning: a pool's tasks come later."""
 
@@ -75,18 +84,19 @@ def _pool_task() -> None:
 class PoolRanks:
     """The ranks of a pool and its engine, through their life (see the module docstring).
 
-    Made by :class:`~nblaunch.notebook.pool.Pool`, which adds what a person runs on them.
+    The notebook's :class:`~nblaunch.notebook.pool.Pool` adds what a person runs on them; a
+    detached pool's host makes one directly, headless (``display="none"``).
     """
 
     def __init__(
         self,
         num_processes: int | None,
         options: LaunchOptions,
-        nodes: PoolNodes | None,
-        display: str,
-        start_timeout: float,
-        backend: BackendFactory,
-        clock: Clock,
+        nodes: Nodes | None = None,
+        display: str = "none",
+        start_timeout: float = START_TIMEOUT_S,
+        backend: BackendFactory = ProcessBackend,
+        clock: Clock = REAL_CLOCK,
     ) -> None:
         self.num_processes = num_processes
         self.options = options
@@ -223,12 +233,10 @@ class PoolRanks:
         *,
         ranks: list[int] | None = None,
         description: str = "",
-        display: str | None = None,
         timeout: float | None = None,
         hang_timeout: float | None = None,
-        background: bool = False,
         view: EventSink | None = None,
-    ) -> Any:
+    ) -> list[Any]:
         """Run a serialised ``(function, args, kwargs)`` as one task; return values by rank.
 
         Parameters
@@ -239,19 +247,13 @@ class PoolRanks:
             The ranks to run on (default all); values come back in rank order.
         description
             What runs, for ``%dist status``.
-        display
-            The view for this task (default: the pool's).
         timeout
             Fail the task with ``LaunchTimeoutError`` after this many seconds.
         hang_timeout
             For this task, instead of the pool's ``hang_timeout``.
-        background
-            Return a :class:`~nblaunch.notebook.handle.RunHandle` at once and run the task in a
-            thread; the pool is busy (a cell on it says so) until the task ends, and
-            ``handle.stop()`` interrupts it as the interrupt button would, keeping the names.
         view
-            Where the task's events go, instead of the view ``display`` names (a detached
-            pool's host sends them to the notebook).
+            Where the task's events go (default: nowhere; a detached pool's host sends them to
+            the notebook, the notebook's pool to the view it chose).
 
         Raises
         ------
@@ -260,31 +262,31 @@ class PoolRanks:
         KeyboardInterrupt
             The task was interrupted; the ranks are ready for the next one.
         """
-        from nblaunch.notebook.views import choose_view  # not at import: ~13 ms
+        task_ranks = self.task_ranks(ranks)
+        hang_timeout = self.options.hang_timeout if hang_timeout is None else hang_timeout
+        return self.run_task(
+            payload, task_ranks, view or NullView(), description, timeout, hang_timeout
+        )
 
+    def task_ranks(self, ranks: list[int] | None) -> list[int]:
+        """The ranks a task asked for, checked; raises ``LaunchError`` unless the pool can take
+        a task on them now."""
         self._check_usable()
         task_ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
         if not task_ranks or any(not 0 <= r < self.world_size for r in task_ranks):
             raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{self.world_size - 1}")
-        mode = display or self.display
-        hang_timeout = self.options.hang_timeout if hang_timeout is None else hang_timeout
-        if background:
-            return _task_in_background(
-                self, payload, task_ranks, mode, description, timeout, hang_timeout
-            )
-        if view is None:
-            view = choose_view(mode, defer="always")
-        return self._run_task(payload, task_ranks, view, description, timeout, hang_timeout)
+        return task_ranks
 
-    def _run_task(
+    def run_task(
         self,
         payload: bytes,
         task_ranks: list[int],
-        view: Any,
+        view: EventSink,
         description: str,
         timeout: float | None,
         hang_timeout: float | None,
     ) -> list[Any]:
+        """Run one task on ``task_ranks`` (from :meth:`task_ranks`), its events to ``view``."""
         run = self.engine
         self._task_id += 1
         self.state = PoolState.BUSY
@@ -329,9 +331,26 @@ class PoolRanks:
         """Process ids of the ranks, by rank (of the last start, after ``close`` too)."""
         return list(self._pids)
 
+    @property
+    def task_id(self) -> int:
+        """The number of the last task started (0 before the first)."""
+        return self._task_id
+
     def describe(self) -> str:
         """One line: how many ranks, on what, which processes, in what state."""
         return pool_status.describe(self)
+
+    def status(self) -> list[dict[str, Any]]:
+        """One row per rank: pid, alive, state, memory (RSS; device memory on GPUs), names.
+
+        When the pool is idle, this asks the ranks (a task of a few milliseconds) for their
+        device memory and the names earlier cells defined.
+        """
+        return pool_status.status(self)
+
+    def status_text(self) -> str:
+        """What ``%dist status`` prints."""
+        return pool_status.status_text(self)
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -406,39 +425,6 @@ class PoolRanks:
             shutdown.release_run_dir(run)
             with contextlib.suppress(Exception):
                 run.backend.close()
-
-
-def _task_in_background(
-    pool: PoolRanks,
-    payload: bytes,
-    task_ranks: list[int],
-    display: str,
-    description: str,
-    timeout: float | None,
-    hang_timeout: float | None,
-) -> Any:
-    """A pool's task on a thread (``run_payload(background=True)``); returns its handle."""
-    from nblaunch.notebook.handle import RunHandle, remember
-
-    run = pool.engine
-    hub = EventHub()
-    pool.state = PoolState.BUSY  # from now: no other cell slips in before the thread starts
-    pool.current_task = description or "a task"
-    # The header now, while the cell runs: the view is built in it.
-    hub.handle(run.plan.run_info(time.time(), warnings=[], notes=[]))
-    task = BackgroundTask(
-        hub,
-        f"{run.plan.run_id}-task{pool._task_id + 1}",
-        run.plan.run_dir,
-        lambda: pool._run_task(payload, task_ranks, hub, description, timeout, hang_timeout),
-        run.request_stop,
-    )
-    handle = RunHandle(task)
-    if display != "none":
-        handle.view(display)
-    pool.background = task
-    task.start()
-    return remember(handle)
 
 
 def _close_current() -> None:

@@ -1,7 +1,7 @@
 """What ``%dist status`` and a busy pool's messages say about a pool.
 
-Functions of a :class:`~nblaunch.notebook.pool.Pool`; the pool's methods of the same names call
-them.
+Functions of a :class:`~nblaunch.engine.pool_ranks.PoolRanks`; the pool's methods of the same
+names call them.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from nblaunch.engine.plan import serialize_payload
+from nblaunch.events import NullView
 from nblaunch.ranks import namespace
 
 if TYPE_CHECKING:
-    from nblaunch.notebook.pool import Pool
+    from nblaunch.engine.pool_ranks import PoolRanks
 
 
 class PoolState(str, enum.Enum):
@@ -28,7 +29,7 @@ class PoolState(str, enum.Enum):
     CLOSED = "closed"
 
 
-def describe(pool: Pool) -> str:
+def describe(pool: PoolRanks) -> str:
     """One line: how many ranks, on what, which processes, in what state."""
     if pool.engine is None:
         return f"a pool ({pool.state.value})"
@@ -49,7 +50,7 @@ def describe(pool: Pool) -> str:
     return text
 
 
-def status(pool: Pool) -> list[dict[str, Any]]:
+def status(pool: PoolRanks) -> list[dict[str, Any]]:
     """One row per rank: pid, alive, state, memory (RSS; device memory on GPUs), names.
 
     When the pool is idle, this asks the ranks (a task of a few milliseconds) for their
@@ -66,7 +67,7 @@ def status(pool: Pool) -> list[dict[str, Any]]:
             values = pool.run_payload(
                 serialize_payload(namespace.rank_info),
                 description="%dist status",
-                display="none",
+                view=NullView(),
             )
             rank_info = dict(enumerate(values))
             pool.tasks_run -= 1  # asking for the status is not the person's work
@@ -93,7 +94,7 @@ def status(pool: Pool) -> list[dict[str, Any]]:
     return rows
 
 
-def status_text(pool: Pool) -> str:
+def status_text(pool: PoolRanks) -> str:
     """What ``%dist status`` prints."""
     if pool.state is PoolState.CLOSED:
         return "nblaunch pool: stopped; %dist start -n N starts one"

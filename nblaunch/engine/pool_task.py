@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nblaunch.engine.pool_release import Releaser
 from nblaunch.engine.run import Run
 from nblaunch.engine.verdict import Cause, RootCause, add_note, recreate_exception
 from nblaunch.errors import PoolRestartedError, safe_str
 from nblaunch.events import EventSink, RunState, diagnosis
-from nblaunch.engine.pool_release import Releaser
 
 # How long the ranks of an interrupted or failed task get to come back before the pool restarts.
 INTERRUPT_WAIT_S = 3.0

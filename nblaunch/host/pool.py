@@ -1,18 +1,19 @@
 """A detached pool's host: the pool's ranks and their names, kept across kernels.
 
-The host runs the pool's own engine headless (:class:`~nblaunch.notebook.pool.Pool` with
-``display="none"``: nothing of IPython is imported) and takes requests from one notebook at a
-time on its socket (:mod:`nblaunch.engine.wire`): ``("task", {...})`` runs a task and streams
-its events back, then ``("outcome", bytes)``; ``("interrupt", None)`` interrupts the running task
-as the interrupt button would; ``("status", None)``, ``("restart", None)`` and ``("close",
-None)``. A notebook that attaches later (a new kernel) replaces the one before and is sent
-``("info", {...})``. The pool ends on ``close``, on SIGTERM (``nblaunch runs stop``) or when it
-was idle for its idle limit.
+The host runs the pool's own engine headless (:class:`~nblaunch.engine.pool_ranks.PoolRanks`:
+nothing of the notebook package, nor of IPython, is imported) and takes requests from one
+notebook at a time on its socket (:mod:`nblaunch.engine.wire`): ``("task", {...})`` runs a task
+and streams its events back, then ``("outcome", bytes)``; ``("interrupt", None)`` interrupts the
+running task as the interrupt button would; ``("status", None)``, ``("restart", None)`` and
+``("close", None)``. A notebook that attaches later (a new kernel) replaces the one before and is
+sent ``("info", {...})``. The pool ends on ``close``, on SIGTERM (``nblaunch runs stop``) or when
+it was idle for its idle limit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import signal
@@ -24,10 +25,10 @@ from typing import Any
 
 from nblaunch.engine import detached, wire
 from nblaunch.engine.background import RUNNING, STOPPED
+from nblaunch.engine.pool_ranks import PoolRanks
 from nblaunch.engine.run_dirs import RunLease
 from nblaunch.events import Event
 from nblaunch.host.outcome import pickled, write_private
-from nblaunch.notebook.pool import Pool
 
 INFO, STATUS, TASK, INTERRUPT, RESTART, CLOSE = (
     "info",
@@ -46,7 +47,8 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     spec = launch["pool"]
     # The pool leases its directory itself as it plans (one lease per directory per process).
     lease.release()
-    pool = Pool(spec["num_processes"], display="none", run_dir=run_dir, **spec["options"])
+    options = dataclasses.replace(spec["options"], run_dir=run_dir)
+    pool = PoolRanks(spec["num_processes"], options, start_timeout=spec["start_timeout"])
     entry = detached.Entry(
         run_id=run_dir.name,
         run_dir=run_dir,
@@ -78,7 +80,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     return 0
 
 
-def pool_info(pool: Pool) -> dict[str, Any]:
+def pool_info(pool: PoolRanks) -> dict[str, Any]:
     """What a notebook needs to show and check the pool without asking again."""
     return {
         "world_size": pool.world_size,
@@ -120,7 +122,7 @@ class TaskFeed:
 class PoolServer:
     """Serves ``pool`` on ``path`` until it is closed, stopped or idle too long."""
 
-    def __init__(self, path: str, pool: Pool, idle_limit_s: float) -> None:
+    def __init__(self, path: str, pool: PoolRanks, idle_limit_s: float) -> None:
         self.pool = pool
         self.idle_limit_s = idle_limit_s
         self.client: socket.socket | None = None

@@ -23,64 +23,35 @@ tasks:
   (``views.DeferredView``): the widget costs more than a quick cell on the pool.
 
 Inside a rank, :func:`nblaunch.ranks.namespace.rank_namespace` is the dictionary cells run in;
-it lives as long as the rank process. The end of a task is :mod:`nblaunch.engine.pool_task`.
+it lives as long as the rank process. The ranks' life is :mod:`nblaunch.engine.pool_ranks`, the
+end of a task :mod:`nblaunch.engine.pool_task`; this module adds what a person runs and sees.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 import weakref
 from typing import Any
 
 from nblaunch import pickling
 from nblaunch.engine.backend import BackendFactory, ProcessBackend
+from nblaunch.engine.background import BackgroundTask
 from nblaunch.engine.clock import REAL_CLOCK, Clock
+from nblaunch.engine.history import EventHub
 from nblaunch.engine.plan import serialize_payload
-from nblaunch.errors import LaunchError
-from nblaunch.engine import pool_status
 from nblaunch.engine.pool_ranks import (  # noqa: F401  (importable from here too)
     START_TIMEOUT_S,
     PoolRanks,
     current_pool,
     refuse_if_running,
 )
-from nblaunch.engine.pool_status import PoolState  # noqa: F401
+from nblaunch.engine.pool_status import PoolState
+from nblaunch.errors import LaunchError
+from nblaunch.events import EventSink
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions
 from nblaunch.ranks import namespace
-
-
-def start_pool(num_processes: int | None = None, *, detach: bool = False, **options: Any) -> Pool:
-    """Start ``num_processes`` ranks that stay alive until :meth:`Pool.close`.
-
-    With ``detach=True`` the ranks live under a run host of their own and outlive the kernel
-    (a restart, a crash): ``nblaunch.attach_pool()`` connects a new kernel to them, names and
-    all (see :mod:`nblaunch.notebook.pool_detached`; ``idle_limit=`` seconds, default 24 h).
-
-    ``options`` are :class:`Pool`'s keywords (``start_method``, ``debug``, ``log_level``,
-    ``hang_timeout``, ``device_type``, ``run_dir``, ``display``, ``num_nodes``, ...); they mean
-    what they mean for :func:`~nblaunch.notebook_launcher`. Use the pool as a context manager
-    to close it on exit.
-
-    Returns
-    -------
-    Pool
-        The started pool; also what ``%%distributed`` cells now run on.
-
-    Raises
-    ------
-    LaunchError
-        Bad arguments, or a pool is already running (stop it first).
-    Exception
-        A rank's own exception when it failed to start (device, process group).
-    """
-    if detach:
-        from nblaunch.notebook.pool_detached import DetachedPool
-
-        return DetachedPool(num_processes, **options).start()
-    if "idle_limit" in options:
-        raise LaunchError("idle_limit= is for detached pools: add detach=True")
-    return Pool(num_processes, **options).start()
 
 
 class Pool(PoolRanks):
@@ -142,6 +113,45 @@ class Pool(PoolRanks):
         super().__init__(num_processes, options, nodes, display, start_timeout, backend, clock)
 
     # --- running tasks ---------------------------------------------------------------------------
+
+    def run_payload(
+        self,
+        payload: bytes,
+        *,
+        ranks: list[int] | None = None,
+        description: str = "",
+        display: str | None = None,
+        timeout: float | None = None,
+        hang_timeout: float | None = None,
+        background: bool = False,
+        view: EventSink | None = None,
+    ) -> Any:
+        """Run a serialised ``(function, args, kwargs)`` as one task; return values by rank.
+
+        As :meth:`PoolRanks.run_payload <nblaunch.engine.pool_ranks.PoolRanks.run_payload>`,
+        shown in a view of this cell:
+
+        Parameters
+        ----------
+        display
+            The view for this task (default: the pool's), unless ``view`` is given.
+        background
+            Return a :class:`~nblaunch.notebook.handle.RunHandle` at once and run the task in a
+            thread; the pool is busy (a cell on it says so) until the task ends, and
+            ``handle.stop()`` interrupts it as the interrupt button would, keeping the names.
+        """
+        from nblaunch.notebook.views import choose_view  # not at import: ~13 ms
+
+        task_ranks = self.task_ranks(ranks)
+        mode = display or self.display
+        hang_timeout = self.options.hang_timeout if hang_timeout is None else hang_timeout
+        if background:
+            return _task_in_background(
+                self, payload, task_ranks, mode, description, timeout, hang_timeout
+            )
+        if view is None:
+            view = choose_view(mode, defer="always")
+        return self.run_task(payload, task_ranks, view, description, timeout, hang_timeout)
 
     def run(self, function: Any, /, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``function(*args, **kwargs)`` on every rank; return the values by rank.
@@ -292,20 +302,6 @@ class Pool(PoolRanks):
             return values
         return by_rank(values)
 
-    # --- information -----------------------------------------------------------------------------
-
-    def status(self) -> list[dict[str, Any]]:
-        """One row per rank: pid, alive, state, memory (RSS; device memory on GPUs), names.
-
-        When the pool is idle, this asks the ranks (a task of a few milliseconds) for their
-        device memory and the names earlier cells defined.
-        """
-        return pool_status.status(self)
-
-    def status_text(self) -> str:
-        """What ``%dist status`` prints."""
-        return pool_status.status_text(self)
-
 
 def parse_ranks(spec: Any, world_size: int) -> list[int]:
     """Turn ``0``, ``"0,2"``, ``"1-3"`` or ``[0, 2]`` into a sorted list of ranks.
@@ -351,3 +347,36 @@ def _describe_cell(source: str) -> str:
 
 def _describe_function(function: Any) -> str:
     return getattr(function, "__qualname__", None) or type(function).__name__
+
+
+def _task_in_background(
+    pool: Pool,
+    payload: bytes,
+    task_ranks: list[int],
+    display: str,
+    description: str,
+    timeout: float | None,
+    hang_timeout: float | None,
+) -> Any:
+    """A pool's task on a thread (``run_payload(background=True)``); returns its handle."""
+    from nblaunch.notebook.handle import RunHandle, remember
+
+    run = pool.engine
+    hub = EventHub()
+    pool.state = PoolState.BUSY  # from now: no other cell slips in before the thread starts
+    pool.current_task = description or "a task"
+    # The header now, while the cell runs: the view is built in it.
+    hub.handle(run.plan.run_info(time.time(), warnings=[], notes=[]))
+    task = BackgroundTask(
+        hub,
+        f"{run.plan.run_id}-task{pool.task_id + 1}",
+        run.plan.run_dir,
+        lambda: pool.run_task(payload, task_ranks, hub, description, timeout, hang_timeout),
+        run.request_stop,
+    )
+    handle = RunHandle(task)
+    if display != "none":
+        handle.view(display)
+    pool.background = task
+    task.start()
+    return remember(handle)

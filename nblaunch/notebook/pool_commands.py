@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from nblaunch.errors import LaunchError
-from nblaunch.notebook.pool import Pool, current_pool, parse_ranks, start_pool
+from nblaunch.notebook.pool import Pool, current_pool, parse_ranks
+from nblaunch.notebook.pool_start import start_pool
 from nblaunch.options import DEVICE_TYPES, START_METHODS, START_NODES
 
 # The options of a pool on several machines (start_pool's names).

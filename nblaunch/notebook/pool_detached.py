@@ -18,13 +18,12 @@ import socket
 import time
 from typing import Any
 
-from nblaunch.engine import detached, wire
-from nblaunch.engine.run_dirs import new_run_dir
-from nblaunch.errors import LaunchError
-from nblaunch.engine import pool_ranks
-from nblaunch.notebook.pool import Pool
+from nblaunch.engine import detached, pool_ranks, wire
 from nblaunch.engine.pool_status import PoolState
 from nblaunch.engine.pool_task import TaskGuard
+from nblaunch.engine.run_dirs import new_run_dir
+from nblaunch.errors import LaunchError
+from nblaunch.notebook.pool import Pool
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
 
 # A detached pool with no cell for this long ends, and its host with it.
@@ -62,8 +61,6 @@ class DetachedPool(Pool):
             raise LaunchError(f"idle_limit={idle_limit!r}: give seconds, a positive number")
         options.setdefault("hang_timeout", DEFAULT_HANG_TIMEOUT_S)
         super().__init__(num_processes, **options)
-        # What the host's Pool is made with (its view is this kernel's, so no display).
-        self._host_options = {k: v for k, v in options.items() if k not in ("display", "run_dir")}
         self.idle_limit = float(idle_limit)
         self.entry: detached.Entry | None = None
         self._sock: socket.socket | None = None
@@ -92,7 +89,8 @@ class DetachedPool(Pool):
             "kind": "pool",
             "pool": {
                 "num_processes": self.num_processes,
-                "options": self._host_options,
+                "options": self.options,  # the host makes its run directory the pool's
+                "start_timeout": self.start_timeout,
                 "idle_limit_s": self.idle_limit,
             },
         }

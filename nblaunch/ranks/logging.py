@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nblaunch.ranks import this_rank
-from nblaunch.ranks.heartbeat import collective_sequence
+from nblaunch.ranks.stacks import collective_sequence
 
 LEVEL_ENV = ("NBLAUNCH_LOG_LEVEL", "ACCELERATE_LOG_LEVEL")
 _IN_ORDER_ATTR = "nblaunch_in_order"
