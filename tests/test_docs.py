@@ -85,6 +85,28 @@ def test_site_builds_strictly_with_navigation_search_and_the_api(site):
             assert "**Date**" in text and "**Machine**" in text and "**Command**" in text, page
 
 
+def _slug(heading: str) -> str:
+    """The anchor GitHub and mkdocs give a heading (for the headings these pages use)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def test_readme_links_and_pictures_resolve():
+    """The README is not part of the site, so the build does not check it: this does."""
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert "docs/launch-view.png" in links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.is_file(), f"README.md links to {link}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"README.md: no #{anchor} in {path}"
+
+
 @pytest.mark.slow
 def test_a_broken_link_fails_the_build(tmp_path):
     pytest.importorskip("mkdocstrings_handlers.python", reason="the `docs` extra is not installed")
