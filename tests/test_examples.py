@@ -14,6 +14,9 @@ on 2 CPU ranks where they launch. An HTML comment right above a block changes th
   a decimal number (a time) matches any decimal number.
 
 The kernels run in a scratch directory, with the repository and ``tests/`` on ``PYTHONPATH``.
+The quick start's blocks (README.md, docs/getting-started.md) are the cells of
+notebooks/quickstart.ipynb, which tests/test_quickstart.py runs and checks: here they are
+checked to be those cells, and not run a second and third time.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from conftest import ROOT, load_run_notebook
+from test_quickstart import TOTAL_SHOWN
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
@@ -167,8 +171,14 @@ def _run(batch: list[Example], workdir: Path) -> None:
             assert _shows(text, line), f"{example.where}: shows {line!r}; the cell:\n{text}"
 
 
+def _to_run(page: Path) -> list[Example]:
+    """The page's examples that this file runs: not marked, and not a quick-start cell."""
+    cells = set(_quickstart_cells())
+    return [e for e in examples(page) if e.not_run is None and e.code.strip("\n") not in cells]
+
+
 def _runnable_pages() -> list[Path]:
-    return [page for page in PAGES if any(e.not_run is None for e in examples(page))]
+    return [page for page in PAGES if _to_run(page)]
 
 
 def test_every_python_block_is_found_and_unrun_ones_say_why():
@@ -181,8 +191,11 @@ def test_every_python_block_is_found_and_unrun_ones_say_why():
             if example.not_run is not None:
                 assert len(example.not_run.split()) >= 2, f"{example.where}: say why it is not run"
                 assert example.raises is None and not example.output, example.where
-    # The suite runs something: the README's quick start at least.
-    assert ROOT / "README.md" in _runnable_pages()
+    # The suite runs something, and leaves out no more than the quick start's cells.
+    assert len(_runnable_pages()) >= 5
+    for page in PAGES:
+        left_out = [e for e in examples(page) if e.not_run is None and e not in _to_run(page)]
+        assert len(left_out) <= len(_quickstart_cells()), page
 
 
 def test_markers_are_read_as_written(tmp_path):
@@ -222,8 +235,10 @@ def _quickstart_cells() -> list[str]:
 def test_quick_start_is_the_quickstart_notebook(page):
     text = (ROOT / page).read_text()
     section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    blocks = [e.code.strip("\n") for e in examples(ROOT / page) if f"\n{e.code}\n" in section]
-    assert blocks == _quickstart_cells()
+    shown = [e for e in examples(ROOT / page) if f"\n{e.code}\n" in section]
+    assert [e.code.strip("\n") for e in shown] == _quickstart_cells()
+    # The output the page shows is what tests/test_quickstart.py checks the notebook shows.
+    assert [e.output for e in shown] == [[], [], [], [TOTAL_SHOWN]]
 
 
 @pytest.mark.slow
@@ -234,9 +249,7 @@ def test_examples_run_as_written(page, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{ROOT / 'tests'}")
     monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(tmp_path / "detached"))
     batch: list[Example] = []
-    for example in examples(page):
-        if example.not_run is not None:
-            continue
+    for example in _to_run(page):
         if example.new_kernel and batch:
             _run(batch, tmp_path)
             batch = []

@@ -14,6 +14,8 @@ import pytest
 from conftest import RANKS_LEFT_CODE, ROOT, WIDGET_STATE, WIDGET_VIEW, load_run_notebook
 
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
+# What the notebook's last cell shows; the README's quick start shows it too (test_examples.py).
+TOTAL_SHOWN = "tensor([3.])"
 
 
 run_notebook = load_run_notebook()
@@ -82,7 +84,7 @@ def test_quickstart_distributed_cell_brings_rank_0s_total_back(executed):
     assert not [out for out in cell.outputs if out.output_type == "error"]
     # The `total` cell shows rank 0's all-reduced tensor: 1 + 2 on 2 ranks.
     result = notebook.cells[_cell(notebook, "total")].outputs
-    assert [out.data["text/plain"] for out in result] == ["tensor([3.])"]
+    assert [out.data["text/plain"] for out in result] == [TOTAL_SHOWN]
 
 
 @pytest.mark.slow
