@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch, installed first so no requirement pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast test-browser test-xla screenshots lint bench install clean
+.PHONY: demo test test-fast test-browser test-xla screenshots lint bench docs install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,10 +57,15 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The docs site, from docs/ and the docstrings, into site/ (open site/index.html). Strict: a broken
+# link, anchor or API reference fails the build; tests/test_docs.py runs the same build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 # The comparisons need the other tools (Accelerate, nbdistributed, ipyparallel) installed.
 bench: install
 	$(PIP) install -q -e ".[dev,bench]"
 	for b in benchmarks/bench_*.py; do echo "### $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VENV_XLA) .nblaunch .pytest_cache
+	rm -rf $(VENV) $(VENV_XLA) .nblaunch .pytest_cache site

@@ -14,6 +14,8 @@ import pytest
 from conftest import RANKS_LEFT_CODE, ROOT, WIDGET_STATE, WIDGET_VIEW, load_run_notebook
 
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
+# What the notebook's last cell shows; the README's quick start shows it too (test_examples.py).
+TOTAL_SHOWN = "tensor([3.])"
 
 
 run_notebook = load_run_notebook()
@@ -42,14 +44,19 @@ def _launch_cell(notebook: nbformat.NotebookNode) -> int:
     return next(i for i, c in enumerate(notebook.cells) if "notebook_launcher(" in c.source)
 
 
+def _cell(notebook: nbformat.NotebookNode, start: str) -> int:
+    return next(i for i, c in enumerate(notebook.cells) if c.source.startswith(start))
+
+
 @pytest.mark.slow
 def test_quickstart_runs_and_leaves_a_summary(executed):
     notebook, workdir = executed
     outputs = _outputs(notebook)
     assert not [out for _, out in outputs if out.output_type == "error"]
     launch = _launch_cell(notebook)
-    # Everything the run shows lands in the cell that launched it.
-    assert {i for i, out in outputs if out.output_type != "stream"} == {launch}
+    # Everything the run shows lands in the cell that launched it (the cells after it are the
+    # `%%distributed` example, checked below).
+    assert {i for i, out in outputs if out.output_type != "stream" and i <= launch} == {launch}
     cell_outputs = [out for i, out in outputs if i == launch]
     views = [out for out in cell_outputs if WIDGET_VIEW in out.get("data", {})]
     assert len(views) == 1
@@ -68,6 +75,16 @@ def test_quickstart_runs_and_leaves_a_summary(executed):
     # Every line is on disk too.
     log1 = (workdir / run_dir / "rank1.log").read_text()
     assert "rank 1 step 7: all_reduce -> 15" in log1 and "quickstart: rank 1 done" in log1
+
+
+@pytest.mark.slow
+def test_quickstart_distributed_cell_brings_rank_0s_total_back(executed):
+    notebook, _ = executed
+    cell = notebook.cells[_cell(notebook, "%%distributed")]
+    assert not [out for out in cell.outputs if out.output_type == "error"]
+    # The `total` cell shows rank 0's all-reduced tensor: 1 + 2 on 2 ranks.
+    result = notebook.cells[_cell(notebook, "total")].outputs
+    assert [out.data["text/plain"] for out in result] == [TOTAL_SHOWN]
 
 
 @pytest.mark.slow

@@ -26,6 +26,8 @@ _too_large: set[str] = set()  # metric names already said to be too large for a 
 def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
     """Send numeric metrics of this rank to the notebook's charts and ``metrics.jsonl``.
 
+    Outside an nblaunch rank (a plain script, under torchrun) it does nothing.
+
     Parameters
     ----------
     values
@@ -33,8 +35,6 @@ def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
         numbers (or tensors of one element) are left out.
     step
         The training step; by default this rank's calls are counted 0, 1, 2, ...
-
-    Outside an nblaunch rank (a plain script, under torchrun) it does nothing.
 
     Raises
     ------

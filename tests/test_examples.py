@@ -1,0 +1,257 @@
+"""Every Python example in README.md and docs/ runs as written, or says why it does not.
+
+A page's ```python blocks run in order, as the cells of one notebook, in a real kernel (nbclient),
+on 2 CPU ranks where they launch. An HTML comment right above a block changes that:
+
+- ``<!-- not run: REASON -->``: the block is not run; the reason is required (needs a GPU,
+  several hosts, a framework's data ...).
+- ``<!-- raises: NAME -->``: the block must raise the exception ``NAME`` (a hang, a failing rank).
+- ``<!-- new kernel -->``: this block and the ones after it run in a new kernel (a detached run
+  attached to after a restart).
+- ``<!-- output -->`` above a non-Python block (```text): the output of the Python block before
+  it; every line must be in what that block printed or displayed (the live view's "All ranks"
+  log included). A line ``...`` stands for lines left out, ``.../`` for the start of a path, and
+  a decimal number (a time) matches any decimal number.
+
+The kernels run in a scratch directory, with the repository and ``tests/`` on ``PYTHONPATH``.
+The quick start's blocks (README.md, docs/getting-started.md) are the cells of
+notebooks/quickstart.ipynb, which tests/test_quickstart.py runs and checks: here they are
+checked to be those cells, and not run a second and third time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+import pytest
+from conftest import ROOT, load_run_notebook
+from test_quickstart import TOTAL_SHOWN
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
+CELL_TIMEOUT_S = 120
+KINDS = ("not run", "raises", "new kernel", "output")
+
+_FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)\s*$")
+_MARKER = re.compile(r"^<!--\s*([a-z ]+?)\s*(?::\s*(.*?))?\s*-->$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+run_notebook = load_run_notebook()
+
+
+@dataclass
+class Example:
+    """One ```python block of a page, with the markers above it."""
+
+    page: Path
+    line: int
+    code: str
+    not_run: str | None = None
+    raises: str | None = None
+    new_kernel: bool = False
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{_shown(self.page)}:{self.line}"
+
+
+def _shown(page: Path) -> str:
+    return str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else str(page)
+
+
+def examples(page: Path) -> list[Example]:
+    """The page's Python examples, in order, with their markers and expected output."""
+    lines = page.read_text().splitlines()
+    found: list[Example] = []
+    markers: dict[str, str] = {}
+    i = 0
+    while i < len(lines):
+        stripped = lines[i].strip()
+        marker = _MARKER.match(stripped)
+        fence = _FENCE.match(stripped)
+        if marker and marker.group(1) in KINDS:
+            markers[marker.group(1)] = marker.group(2) or ""
+        elif fence:
+            close = fence.group(1)
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == close), None)
+            assert end is not None, f"{_shown(page)}:{i + 1}: a code block never closes"
+            indent = len(lines[i]) - len(lines[i].lstrip())
+            body = "\n".join(line[indent:] for line in lines[i + 1 : end])
+            if fence.group(2) == "python":
+                found.append(
+                    Example(
+                        page,
+                        i + 1,
+                        body,
+                        not_run=markers.get("not run"),
+                        raises=markers.get("raises"),
+                        new_kernel="new kernel" in markers,
+                    )
+                )
+                assert "output" not in markers, f"{found[-1].where}: output marks a text block"
+            elif "output" in markers:
+                assert found, f"{_shown(page)}:{i + 1}: output of no example"
+                found[-1].output += [line.strip() for line in body.splitlines() if line.strip()]
+            markers = {}
+            i = end
+        elif stripped:
+            markers = {}  # a marker counts only right above its block
+        i += 1
+    return found
+
+
+def _cell_text(cell: nbformat.NotebookNode, notebook: nbformat.NotebookNode) -> str:
+    """What a cell printed and displayed, the live view's "All ranks" log included."""
+    parts: list[str] = []
+    for output in cell.get("outputs", []):
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif output.output_type in ("display_data", "execute_result"):
+            data = output.get("data", {})
+            view = data.get("application/vnd.jupyter.widget-view+json")
+            if view:
+                parts += run_notebook.all_ranks_log(notebook, view["model_id"])
+            parts.append(data.get("text/plain", ""))
+        elif output.output_type == "error":
+            parts.append(_ANSI.sub("", "\n".join(output.traceback)))
+    return "\n".join(parts)
+
+
+def _shows(text: str, line: str) -> bool:
+    """Whether ``text`` has ``line`` in it, with the page's abridgements."""
+    if line in ("...", "…"):
+        return True
+    pattern = re.escape(line).replace(re.escape(".../"), r"\S*/")
+    pattern = re.sub(r"\d+\\\.\d+", lambda _: r"\d+\.\d+", pattern)
+    return re.search(pattern, text) is not None
+
+
+def _errors(cell: nbformat.NotebookNode) -> list[str]:
+    """The names of the exceptions a cell raised; IPython prints a magic's UsageError instead."""
+    names = []
+    for output in cell.get("outputs", []):
+        if output.output_type == "error":
+            names.append(output.ename)
+        elif output.output_type == "stream" and output.text.startswith("UsageError:"):
+            names.append("UsageError")
+    return names
+
+
+def _run(batch: list[Example], workdir: Path) -> None:
+    """Run ``batch`` as the cells of one notebook in a new kernel and check each cell."""
+    from nbclient import NotebookClient
+
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(example.code) for example in batch]
+    )
+    client = NotebookClient(
+        notebook,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        allow_errors=True,
+        store_widget_state=True,
+        resources={"metadata": {"path": str(workdir)}},
+    )
+    client.execute()
+    for example, cell in zip(batch, notebook.cells, strict=True):
+        errors = _errors(cell)
+        text = _cell_text(cell, notebook)
+        if example.raises:
+            assert errors == [example.raises], (
+                f"{example.where}: should raise {example.raises}; it showed:\n{text}"
+            )
+        else:
+            assert not errors, f"{example.where} raised:\n{text}"
+        for line in example.output:
+            assert _shows(text, line), f"{example.where}: shows {line!r}; the cell:\n{text}"
+
+
+def _to_run(page: Path) -> list[Example]:
+    """The page's examples that this file runs: not marked, and not a quick-start cell."""
+    cells = set(_quickstart_cells())
+    return [e for e in examples(page) if e.not_run is None and e.code.strip("\n") not in cells]
+
+
+def _runnable_pages() -> list[Path]:
+    return [page for page in PAGES if _to_run(page)]
+
+
+def test_every_python_block_is_found_and_unrun_ones_say_why():
+    for page in PAGES:
+        text = page.read_text()
+        found = examples(page)
+        # The parser sees every block the page has (none hides inside another block).
+        assert len(found) == len(re.findall(r"^\s*```python\s*$", text, re.M)), page
+        for example in found:
+            if example.not_run is not None:
+                assert len(example.not_run.split()) >= 2, f"{example.where}: say why it is not run"
+                assert example.raises is None and not example.output, example.where
+    # The suite runs something, and leaves out no more than the quick start's cells.
+    assert len(_runnable_pages()) >= 5
+    for page in PAGES:
+        left_out = [e for e in examples(page) if e.not_run is None and e not in _to_run(page)]
+        assert len(left_out) <= len(_quickstart_cells()), page
+
+
+def test_markers_are_read_as_written(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- not run: needs a GPU -->\n```python\ngpu()\n```\n\n"
+        "<!-- raises: ValueError -->\n\n```python\nraise ValueError\n```\n"
+        "<!-- output -->\n```text\n  hello  \n```\n"
+        "a paragraph\n<!-- not run: stale -->\nbetween\n```python\nx = 1\n```\n"
+        "<!-- new kernel -->\n- item\n\n  ```python\n  y = 2\n  ```\n"
+    )
+    found = examples(page)
+    assert [(e.code, e.not_run, e.raises, e.output) for e in found] == [
+        ("gpu()", "needs a GPU", None, []),
+        ("raise ValueError", None, "ValueError", ["hello"]),
+        ("x = 1", None, None, []),
+        ("y = 2", None, None, []),
+    ]
+    assert not found[3].new_kernel  # the marker was not right above the block
+
+
+def test_output_lines_match_with_the_pages_abridgements():
+    text = 'at Cell In[1]:7 in train for 1.1 s.\n  File "/venv/torch/distributed/c10d.py", line 3'
+    assert _shows(text, "in train for 1.0 s.")  # a time is any decimal number
+    assert not _shows(text, "in train for 2 s.")
+    assert _shows(text, 'File ".../torch/distributed/c10d.py", line 3')
+    assert not _shows(text, 'File ".../torch/other.py", line 3')
+    assert _shows(text, "...") and not _shows(text, "[[1]]")
+
+
+def _quickstart_cells() -> list[str]:
+    notebook = json.loads(QUICKSTART.read_text())
+    return ["".join(c["source"]).strip("\n") for c in notebook["cells"] if c["cell_type"] == "code"]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_quick_start_is_the_quickstart_notebook(page):
+    text = (ROOT / page).read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    shown = [e for e in examples(ROOT / page) if f"\n{e.code}\n" in section]
+    assert [e.code.strip("\n") for e in shown] == _quickstart_cells()
+    # The output the page shows is what tests/test_quickstart.py checks the notebook shows.
+    assert [e.output for e in shown] == [[], [], [], [TOTAL_SHOWN]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "page", _runnable_pages(), ids=lambda page: str(page.relative_to(ROOT)).replace("/", "-")
+)
+def test_examples_run_as_written(page, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{ROOT / 'tests'}")
+    monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(tmp_path / "detached"))
+    batch: list[Example] = []
+    for example in _to_run(page):
+        if example.new_kernel and batch:
+            _run(batch, tmp_path)
+            batch = []
+        batch.append(example)
+    _run(batch, tmp_path)
