@@ -125,6 +125,28 @@ def make_readable(exc: BaseException, remote_traceback: str = "") -> BaseExcepti
     return exc
 
 
+def without_launcher_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` from its first frame outside nblaunch's files on; None when every frame is one.
+
+    What an exception went through in nblaunch before a handle hands it over (a background
+    run's thread, the run host) is plumbing: a blocking launch hides those frames, a handle
+    leaves them out.
+    """
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return tb
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` made to pickle with its traceback and chained exceptions (tblib), from its first
+    frame outside nblaunch on; returns ``exc``. :func:`make_readable` rebuilds it after."""
+    from tblib import pickling_support
+
+    exc.__traceback__ = without_launcher_frames(exc.__traceback__)
+    pickling_support.install(exc)
+    return exc
+
+
 def positions_from_text(text: str) -> dict[tuple[str, int, str], Position | None]:
     """Each frame's position, read back from a traceback text that Python formatted.
 

@@ -25,9 +25,11 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
+from nblaunch import tracebacks
 from nblaunch.engine import wire
 from nblaunch.engine.background import LOST, RUNNING, state_of
 from nblaunch.engine.history import EventHub
@@ -258,6 +260,7 @@ class AttachedRun:
         self.header: Event | None = None  # shown at once by the launch cell's view
         self._done = threading.Event()
         self._outcome: dict[str, Any] | None = None
+        self._error_tb: types.TracebackType | None = None  # the ranks' frames, for each raise
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
         if view is not None:
@@ -292,7 +295,7 @@ class AttachedRun:
                     self.hub.handle_many(body)
                     self.hub.flush()
                 elif kind == wire.OUTCOME:
-                    self._outcome = pickle.loads(body)
+                    self._outcome = self._readable(pickle.loads(body))
                 elif kind == wire.CLOSED:
                     break
         except (OSError, pickle.UnpicklingError, EOFError):
@@ -314,9 +317,18 @@ class AttachedRun:
         self.hub.close()
         self._done.set()
 
+    def _readable(self, outcome: dict[str, Any]) -> dict[str, Any]:
+        """The outcome with its error's traceback rebuilt as a blocking launch's (the host
+        sends the rank's frames and the rank's traceback text)."""
+        error = outcome.get("error")
+        if isinstance(error, BaseException):
+            tracebacks.make_readable(error, outcome.get("traceback", ""))
+            self._error_tb = error.__traceback__
+        return outcome
+
     def _outcome_on_disk(self) -> dict[str, Any]:
         try:
-            return pickle.loads((self.entry.run_dir / RESULT_FILE).read_bytes())
+            return self._readable(pickle.loads((self.entry.run_dir / RESULT_FILE).read_bytes()))
         except (OSError, pickle.UnpicklingError, EOFError):
             return {
                 "error": RankFailedError(
@@ -355,5 +367,6 @@ class AttachedRun:
             raise RuntimeError("the run has not ended: wait() first")
         assert self._outcome is not None
         if "error" in self._outcome:
-            raise self._outcome["error"]
+            # Raising adds the caller's frames to the traceback: start from the ranks' again.
+            raise self._outcome["error"].with_traceback(self._error_tb)
         return self._outcome["values"]

@@ -108,8 +108,12 @@ class RunHandle:
         try:
             values = self._control.values()
         except BaseException as exc:
-            raise (self.localize(exc) if self.localize else exc) from None
-        return self.finish(values) if self.finish else values
+            error = exc
+        else:
+            return self.finish(values) if self.finish else values
+        # Raised outside the except clause, with its own cause and context (a "from None" would
+        # drop the rank's chained exceptions, which a blocking launch shows).
+        raise self.localize(error) if self.localize else error
 
     def stop(self) -> None:
         """Stop every rank (what they wrote stays in the run directory); ``result()`` then
