@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import io
 import os
+import re
 import socket
 
 import pytest
@@ -262,6 +263,25 @@ def test_max_restarts_starts_the_run_again_and_a_checkpointing_loop_resumes(tmp_
     ended = "nblaunch: attempt 1 of 3 ended: rank 1 raised ValueError: rank 1 failed at step 4"
     assert ended in err
     assert "starting the run again (restart 1 of 2)" in err
+
+
+def test_the_restart_notice_shows_the_users_frames_and_the_end_line_says_it_restarted(capsys):
+    def fails_once():
+        import torch.distributed as dist
+
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+            raise ValueError("first attempt fails")
+        return dist.get_rank()
+
+    assert launch(fails_once, max_restarts=1, display="text") == [0, 1]
+    said = capsys.readouterr()
+    notice = said.err[said.err.index("nblaunch: attempt 1 of 2 ended") :]
+    assert notice.splitlines()[1:3] == [
+        "Traceback (most recent call last):",
+        f'  File "{__file__}", line {fails_once.__code__.co_firstlineno + 4}, in fails_once',
+    ], notice
+    assert "worker.py" not in said.err and "_run_task" not in said.err
+    assert re.search(r"^nblaunch: finished in [\d.]+ s after 1 restart$", said.out, re.M), said.out
 
 
 def test_max_restarts_raises_when_spent_with_every_attempts_cause():
