@@ -73,6 +73,28 @@ def test_in_a_kernel_result_of_a_background_or_detached_run_raises_as_a_blocking
         assert _rank_part(got["traceback"]) == expected, code
 
 
+POOL_CELL = """%%distributed
+def bad(x):
+    raise ValueError(f"bad {x}")
+if rank == 1:
+    bad(rank)
+"""
+
+
+@pytest.mark.slow
+def test_in_a_kernel_a_detached_pools_cell_raises_as_a_pool_of_the_kernels_own(registry, kernel):
+    kernel.run("%load_ext nblaunch")
+    shown = []
+    for start in ("%dist start -n 2", "%dist start -n 2 --detach"):
+        assert "ready" in kernel.run(start, timeout=120)["out"]
+        failed = kernel.run(POOL_CELL, timeout=120)
+        kernel.run("%dist stop", timeout=60)
+        assert failed["error"] == "ValueError", failed
+        shown.append([re.sub(r"Cell In\[\d+\]", "Cell In[N]", p) for p in failed["traceback"]])
+    assert "Cell In[N], line 3, in bad()" in "\n".join(shown[0])
+    assert shown[1] == shown[0]
+
+
 # --- the smaller cases of issue 40 (item 8) -----------------------------------------------------
 
 
@@ -96,7 +118,7 @@ def test_attaching_the_same_ended_run_twice_lists_it_once(registry):
     assert [h.id for h in nblaunch.runs()].count(handle.id) == 1
 
 
-def test_nblaunch_runs_says_what_is_wrong_with_the_registry_in_one_line_and_names_pools(registry):
+def test_nblaunch_runs_says_what_is_wrong_with_the_registry_in_one_line(registry):
     command = [sys.executable, "-m", "nblaunch", "runs"]
     registry.mkdir(mode=0o755)
     registry.chmod(0o755)  # others may read it: not a registry nblaunch may use
@@ -105,7 +127,11 @@ def test_nblaunch_runs_says_what_is_wrong_with_the_registry_in_one_line_and_name
         assert said.returncode == 1, said
         assert said.stdout == "" and len(said.stderr.splitlines()) == 1, said.stderr
         assert said.stderr.startswith("nblaunch runs") and "NBLAUNCH_DETACHED_DIR" in said.stderr
-    registry.chmod(0o700)
+
+
+@pytest.mark.slow
+def test_nblaunch_runs_says_which_entries_are_pools(registry):
+    command = [sys.executable, "-m", "nblaunch", "runs"]
     run = nblaunch.notebook_launcher(_steps, (1,), 2, detach=True, display="none")
     run.result(timeout=60)
     pool = nblaunch.start_pool(2, detach=True, display="none", idle_limit=60)

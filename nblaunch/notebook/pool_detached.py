@@ -18,6 +18,7 @@ import socket
 import time
 from typing import Any
 
+from nblaunch import tracebacks
 from nblaunch.engine import detached, wire
 from nblaunch.engine.run_dirs import new_run_dir
 from nblaunch.errors import LaunchError
@@ -224,7 +225,7 @@ class DetachedPool(Pool):
         self._take_info(outcome.pop("info"))
         self.tasks_run += 1
         if "error" in outcome:
-            raise outcome["error"]
+            raise tracebacks.make_readable(outcome["error"])  # the rank's frames, as a local pool's
         return outcome["values"]
 
     def _follow(self, view: Any, guard: TaskGuard) -> dict[str, Any]:
