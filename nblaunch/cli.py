@@ -143,10 +143,11 @@ def add_join_command(subparsers: Subparsers) -> None:
 def add_runs_command(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "runs",
-        help="list this machine's detached runs, or stop one",
+        help="list this machine's detached runs and pools, or stop one",
         description=(
-            "Detached runs (notebook_launcher(..., detach=True)) outlive their kernel. "
-            "'nblaunch runs' lists them with their state; 'nblaunch runs stop ID' stops one "
+            "Detached runs (notebook_launcher(..., detach=True)) and pools "
+            "(start_pool(..., detach=True)) outlive their kernel. 'nblaunch runs' lists them "
+            "with their kind (run or pool) and state; 'nblaunch runs stop ID' stops one "
             "(ID or its start) as the view's Stop button would."
         ),
     )
@@ -165,13 +166,18 @@ def run_runs(args: argparse.Namespace) -> int:
     from nblaunch.errors import LaunchError
 
     if args.action == "list":
-        rows = [f"{'id':<28} {'state':<8} {'ranks':>5}  {'host pid':>8}  run directory"]
-        for entry in detached.entries():
+        try:
+            listed = detached.entries()
+        except LaunchError as exc:  # a registry it may not use: what to do, in one line
+            print(f"nblaunch runs: {exc}", file=sys.stderr)
+            return 1
+        rows = [f"{'id':<28} {'kind':<4} {'state':<8} {'ranks':>5}  {'host pid':>8}  run directory"]
+        for entry in listed:
             rows.append(
-                f"{entry.run_id:<28} {entry.live_state:<8} {entry.world_size:>5}  "
+                f"{entry.run_id:<28} {entry.kind:<4} {entry.live_state:<8} {entry.world_size:>5}  "
                 f"{entry.pid:>8}  {entry.run_dir}"
             )
-        print("\n".join(rows) if len(rows) > 1 else "no detached runs on this machine")
+        print("\n".join(rows) if len(rows) > 1 else "no detached runs or pools on this machine")
         return 0
     if not args.run_id:
         print("nblaunch runs stop: which run? (nblaunch runs lists them)", file=sys.stderr)

@@ -274,6 +274,13 @@ class RunEnded(TypedDict):
     ok: bool
     elapsed_s: float
     ranks: dict[int, str]  # rank -> one-line outcome ("returned 3", "ValueError: boom")
+    restarts: NotRequired[int]  # how often the whole run started again (max_restarts=)
+
+
+def after_restarts(ended: RunEnded | dict[str, Any]) -> str:
+    """``" after 1 restart"`` for a run that started again, as the views' end lines say it."""
+    count = ended.get("restarts", 0)
+    return f" after {count} restart{'s' if count != 1 else ''}" if count else ""
 
 
 # --- sent down to a rank, and by joined nodes ----------------------------------------------------

@@ -125,6 +125,70 @@ def make_readable(exc: BaseException, remote_traceback: str = "") -> BaseExcepti
     return exc
 
 
+def without_launcher_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` from its first frame outside nblaunch's files on; None when every frame is one.
+
+    What an exception went through in nblaunch before a handle hands it over (a background
+    run's thread, the run host) is plumbing: a blocking launch hides those frames, a handle
+    leaves them out.
+    """
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return tb
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` made to pickle with its traceback and chained exceptions (tblib), from its first
+    frame outside nblaunch on; returns ``exc``. :func:`make_readable` rebuilds it after."""
+    from tblib import pickling_support
+
+    exc.__traceback__ = without_launcher_frames(exc.__traceback__)
+    pickling_support.install(exc)
+    return exc
+
+
+def without_launcher_text(text: str) -> str:
+    """A traceback text that Python formatted, without the leading frames from nblaunch's files
+    in each of its tracebacks (a rank's task loop, ``worker.py _run_task``), as
+    :func:`make_readable` leaves them out of the exception: the last one stays when no frame
+    of the user's follows."""
+    out: list[str] = []
+    leading = False  # in a traceback's frames, before the first one of the user's
+    dropped: list[str] = []  # the latest nblaunch frame left out, kept if nothing follows
+    lines = text.splitlines(keepends=True)
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        match = _FRAME_LINE.match(line.rstrip("\n"))
+        if match is None:
+            if line.rstrip().endswith("Traceback (most recent call last):"):
+                leading = True
+            elif leading and not line.startswith(" "):  # the exception's line: no user frame
+                out += dropped
+                leading = False
+            dropped = []
+            out.append(line)
+            index += 1
+            continue
+        block = [line]
+        index += 1
+        margin = match.group("margin")
+        while (
+            index < len(lines)
+            and lines[index].startswith(margin + "    ")
+            and not _FRAME_LINE.match(lines[index].rstrip("\n"))
+        ):
+            block.append(lines[index])
+            index += 1
+        if leading and match.group("file").startswith(_PACKAGE_DIR):
+            dropped = block
+            continue
+        leading = False
+        dropped = []
+        out += block
+    return "".join(out)
+
+
 def positions_from_text(text: str) -> dict[tuple[str, int, str], Position | None]:
     """Each frame's position, read back from a traceback text that Python formatted.
 

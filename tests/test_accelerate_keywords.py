@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import io
 import os
+import re
 import socket
 
 import pytest
@@ -20,9 +21,9 @@ from nblaunch.notebook.views import TextView
 from nblaunch.options import LaunchOptions, format_line_prefix
 
 
-def launch(function, args=(), n=2, **kwargs):
+def launch(function, args=(), n=2, *accelerate_args, **kwargs):
     kwargs.setdefault("display", "none")
-    return notebook_launcher(function, args, n, device_type="cpu", **kwargs)
+    return notebook_launcher(function, args, n, *accelerate_args, device_type="cpu", **kwargs)
 
 
 def free_port() -> int:
@@ -36,6 +37,43 @@ def test_every_keyword_of_accelerates_notebook_launcher_is_accepted():
     theirs = inspect.signature(accelerate.notebook_launcher).parameters
     ours = inspect.signature(notebook_launcher).parameters
     assert set(theirs) <= set(ours), set(theirs) - set(ours)
+
+
+def test_accelerates_positional_order_after_num_processes_works_as_in_accelerate(monkeypatch):
+    accelerate = pytest.importorskip("accelerate")
+    theirs = list(inspect.signature(accelerate.notebook_launcher).parameters)
+    assert theirs[3:] == list(accelerate_keywords.POSITIONAL)  # the order this maps
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    port = free_port()
+
+    def seen():
+        import torch.distributed as dist
+
+        print(f"hello from {dist.get_rank()}")
+        return os.environ["ACCELERATE_MIXED_PRECISION"], os.environ["MASTER_PORT"]
+
+    # Accelerate's own call, every value by position (its defaults, a port, a line prefix).
+    values = notebook_launcher(
+        seen, (), 2, "fp16", str(port), "127.0.0.1", 0, 1, "static", "", None, "none", 0, 0.1,
+        "[${rank}]: ", device_type="cpu", display="text",
+    )  # fmt: skip
+    assert values == [("fp16", str(port))] * 2
+    assert "[1]: hello from 1\n" in out.getvalue()
+    # The call: mixed_precision by position.
+    assert launch(lambda: os.environ["ACCELERATE_MIXED_PRECISION"], (), 2, "no") == ["no"] * 2
+    # A value that has no meaning here is refused as its keyword would be.
+    with pytest.raises(LaunchError, match="node_rank=1: "):
+        launch(print, (), 2, "no", "29500", "127.0.0.1", 1, 2)
+
+
+def test_more_positional_arguments_than_accelerate_takes_or_one_given_twice_is_a_type_error():
+    with pytest.raises(TypeError, match=r"at most 15 positional arguments, as Accelerate's"):
+        launch(print, (), 2, *([None] * 13))
+    with pytest.raises(TypeError, match="multiple values for argument 'mixed_precision'"):
+        launch(print, (), 2, "fp16", mixed_precision="bf16")
+    with pytest.raises(TypeError, match="multiple values for argument 'use_port'"):
+        launch(print, (), 2, "no", "29500", use_port="29501")
 
 
 # --- mixed_precision, use_port ---------------------------------------------------------------
@@ -225,6 +263,25 @@ def test_max_restarts_starts_the_run_again_and_a_checkpointing_loop_resumes(tmp_
     ended = "nblaunch: attempt 1 of 3 ended: rank 1 raised ValueError: rank 1 failed at step 4"
     assert ended in err
     assert "starting the run again (restart 1 of 2)" in err
+
+
+def test_the_restart_notice_shows_the_users_frames_and_the_end_line_says_it_restarted(capsys):
+    def fails_once():
+        import torch.distributed as dist
+
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+            raise ValueError("first attempt fails")
+        return dist.get_rank()
+
+    assert launch(fails_once, max_restarts=1, display="text") == [0, 1]
+    said = capsys.readouterr()
+    notice = said.err[said.err.index("nblaunch: attempt 1 of 2 ended") :]
+    assert notice.splitlines()[1:3] == [
+        "Traceback (most recent call last):",
+        f'  File "{__file__}", line {fails_once.__code__.co_firstlineno + 4}, in fails_once',
+    ], notice
+    assert "worker.py" not in said.err and "_run_task" not in said.err
+    assert re.search(r"^nblaunch: finished in [\d.]+ s after 1 restart$", said.out, re.M), said.out
 
 
 def test_max_restarts_raises_when_spent_with_every_attempts_cause():

@@ -8,6 +8,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
+from nblaunch import tracebacks
 from nblaunch.engine import verdict
 from nblaunch.engine.verdict import Cause, Context, Outcome, RootCause
 from nblaunch.errors import LaunchError, LaunchTimeoutError, RankFailedError
@@ -201,3 +202,34 @@ def test_debug_mode_s_verdict_waits_for_every_rank_s_or_for_its_limit():
     assert verdict.settle(Outcome(failures=[first]), [0, 1], now=late) is first
     # A task on rank 0 alone does not wait for rank 1.
     assert verdict.settle(Outcome(failures=[first]), [0], now=5.1) is first
+
+
+def test_the_diagnosis_shows_a_ranks_traceback_from_the_users_frame_on():
+    package = tracebacks._PACKAGE_DIR
+    text = (
+        "Traceback (most recent call last):\n"
+        f'  File "{package}ranks/worker.py", line 398, in _run_task\n'
+        "    value = function(*args, **kwargs)\n"
+        "            ^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+        '  File "/work/train.py", line 6, in train\n'
+        "    log(x)\n"
+        f'  File "{package}ranks/metrics.py", line 9, in log\n'
+        '    raise TypeError("x")\n'
+        "TypeError: x\n"
+    )
+    root = raised(1, TypeError("x"), text)
+    _, diagnosis = verdict.exception_for(root, Outcome(failures=[root]), CONTEXT)
+    assert diagnosis is not None
+    body = diagnosis["body"]
+    assert body.splitlines()[1] == '  File "/work/train.py", line 6, in train'
+    assert "_run_task" not in body and "ranks/metrics.py" in body  # only the leading frames
+    # With no frame of the user's (nblaunch raised it), the last of nblaunch's stays.
+    own = (
+        "Traceback (most recent call last):\n"
+        f'  File "{package}ranks/worker.py", line 398, in _run_task\n'
+        "    value = function(*args, **kwargs)\n"
+        f'  File "{package}ranks/worker.py", line 407, in _run_task\n'
+        "    value_bytes = cloudpickle.dumps(value)\n"
+        "TypeError: cannot pickle\n"
+    )
+    assert tracebacks.without_launcher_text(own).splitlines()[1:] == own.splitlines()[3:]

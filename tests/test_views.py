@@ -315,6 +315,14 @@ def test_the_summary_of_a_run_without_a_directory_or_lines_is_short():
     )
 
 
+def test_the_end_of_a_run_that_restarted_says_so_in_the_summary_and_the_widgets_head():
+    restarted = {**ended(True, {0: "returned", 1: "returned"}, 0.25), "restarts": 2}
+    model = fed(run_info(run_dir=""), restarted)
+    text = summary.summary_bundle(model)["text/plain"]
+    assert text.startswith("nblaunch: finished in 0.25 s after 2 restarts\n"), text
+    assert "finished</b> in 0.2 s after 2 restarts" in render.head_html(model, 0.0)
+
+
 def test_the_saved_summary_carries_no_raw_control_byte():
     # Fault sweep case 11: a rank's raw ESC/OSC bytes reached the saved text/plain summary.
     model = fed(

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from nblaunch import tracebacks
 from nblaunch.engine.history import EventHub
 from nblaunch.engine.run import Run
 from nblaunch.errors import RunStoppedError
@@ -96,6 +98,8 @@ class BackgroundTask:
         self._done = threading.Event()
         self._values: list[Any] = []
         self._error: BaseException | None = None
+        # The error's own traceback (the ranks' frames): each raise starts from it again.
+        self._error_tb: types.TracebackType | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -114,6 +118,7 @@ class BackgroundTask:
             self._error = stopped_error(self.run_dir)
         except BaseException as exc:  # the work's own outcome, given to whoever asks
             self._error = exc
+            self._error_tb = tracebacks.without_launcher_frames(exc.__traceback__)
         finally:
             self._done.set()
             if self._after is not None:
@@ -138,7 +143,8 @@ class BackgroundTask:
         if not self._done.is_set():
             raise RuntimeError("the run has not ended: wait() first")
         if self._error is not None:
-            raise self._error
+            # Raising adds the caller's frames to the traceback: start from the ranks' again.
+            raise self._error.with_traceback(self._error_tb)
         return self._values
 
 

@@ -25,9 +25,11 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
+from nblaunch import tracebacks
 from nblaunch.engine import wire
 from nblaunch.engine.background import LOST, RUNNING, state_of
 from nblaunch.engine.history import EventHub
@@ -45,6 +47,9 @@ SOCKET_FILE = "stream.sock"
 _MAX_SOCKET_PATH = 100
 # How long the host may take to start (it imports torch and starts a forkserver).
 HOST_START_LIMIT_S = 60.0
+# How long a handle's end waits for the views it started to show the run's end (their own
+# connections get it from the host right after the outcome).
+VIEWS_END_LIMIT_S = 5.0
 
 
 def registry_dir() -> Path:
@@ -248,9 +253,14 @@ class AttachedRun:
         The run's registry entry.
     view
         Watch the run with this view (a view's own connection); None: the control connection.
+    header_shown
+        The view showed the run's header already (the launch cell's view, at once): the host's
+        is not shown again.
     """
 
-    def __init__(self, entry: Entry, view: EventSink | None = None) -> None:
+    def __init__(
+        self, entry: Entry, view: EventSink | None = None, header_shown: bool = False
+    ) -> None:
         self.entry = entry
         self.run_id = entry.run_id
         self.run_dir: Path | None = entry.run_dir
@@ -258,8 +268,11 @@ class AttachedRun:
         self.header: Event | None = None  # shown at once by the launch cell's view
         self._done = threading.Event()
         self._outcome: dict[str, Any] | None = None
+        self._error_tb: types.TracebackType | None = None  # the ranks' frames, for each raise
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._skip_header = header_shown
+        self._views: list[AttachedRun] = []  # the views' connections, which watch() started
         if view is not None:
             self.hub.watch(view)
         if entry.live_state == RUNNING:
@@ -279,9 +292,10 @@ class AttachedRun:
 
     def watch(self, view: EventSink) -> None:
         """Show the run in ``view``: what the host kept, then live (a connection of its own)."""
-        if self.header is not None and not self._done.is_set():
+        shown = self.header is not None and not self._done.is_set()
+        if shown:
             view.handle(self.header)  # now, in the caller's cell, before the host's events
-        AttachedRun(self.entry, view)
+        self._views.append(AttachedRun(self.entry, view, header_shown=shown))
 
     def _read(self) -> None:
         assert self._sock is not None
@@ -289,10 +303,10 @@ class AttachedRun:
             while (message := wire.receive(self._sock)) is not None:
                 kind, body = message
                 if kind == wire.EVENTS:
-                    self.hub.handle_many(body)
+                    self.hub.handle_many(self._unseen(body))
                     self.hub.flush()
                 elif kind == wire.OUTCOME:
-                    self._outcome = pickle.loads(body)
+                    self._outcome = self._readable(pickle.loads(body))
                 elif kind == wire.CLOSED:
                     break
         except (OSError, pickle.UnpicklingError, EOFError):
@@ -302,6 +316,7 @@ class AttachedRun:
             if self._outcome is None:
                 self._outcome = self._outcome_on_disk()
             self.hub.close()
+            self._views_ended()
             self._done.set()
 
     def _read_ended(self) -> None:
@@ -309,14 +324,40 @@ class AttachedRun:
             events = pickle.loads((self.entry.run_dir / HISTORY_FILE).read_bytes())
         except (OSError, pickle.UnpicklingError, EOFError):
             events = []
-        self.hub.handle_many(events)
+        self.hub.handle_many(self._unseen(events))
         self._outcome = self._outcome_on_disk()
         self.hub.close()
         self._done.set()
 
+    def _unseen(self, events: list[Event]) -> list[Event]:
+        """``events`` without the host's header when the view showed it already (once)."""
+        if not self._skip_header:
+            return events
+        for index, event in enumerate(events):
+            if event["kind"] == "run_info":
+                self._skip_header = False
+                return events[:index] + events[index + 1 :]
+        return events
+
+    def _views_ended(self) -> None:
+        """Wait (a while) for the views this handle started to show the run's end: a script's
+        ``result()`` returns after its view printed the summary, not before."""
+        deadline = time.monotonic() + VIEWS_END_LIMIT_S
+        for view in list(self._views):
+            view._done.wait(max(0.0, deadline - time.monotonic()))
+
+    def _readable(self, outcome: dict[str, Any]) -> dict[str, Any]:
+        """The outcome with its error's traceback rebuilt as a blocking launch's (the host
+        sends the rank's frames and the rank's traceback text)."""
+        error = outcome.get("error")
+        if isinstance(error, BaseException):
+            tracebacks.make_readable(error, outcome.get("traceback", ""))
+            self._error_tb = error.__traceback__
+        return outcome
+
     def _outcome_on_disk(self) -> dict[str, Any]:
         try:
-            return pickle.loads((self.entry.run_dir / RESULT_FILE).read_bytes())
+            return self._readable(pickle.loads((self.entry.run_dir / RESULT_FILE).read_bytes()))
         except (OSError, pickle.UnpicklingError, EOFError):
             return {
                 "error": RankFailedError(
@@ -355,5 +396,6 @@ class AttachedRun:
             raise RuntimeError("the run has not ended: wait() first")
         assert self._outcome is not None
         if "error" in self._outcome:
-            raise self._outcome["error"]
+            # Raising adds the caller's frames to the traceback: start from the ranks' again.
+            raise self._outcome["error"].with_traceback(self._error_tb)
         return self._outcome["values"]

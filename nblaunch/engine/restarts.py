@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from nblaunch import tracebacks
 from nblaunch.engine.features import parent_monitors
 from nblaunch.engine.plan import choose_port
 from nblaunch.engine.shutdown import STOP_GRACE_S
@@ -77,7 +78,8 @@ def restart_after_failure(run: Run, payload: bytes) -> None:
     root = run.outcome.root
     assert root is not None
     message = run.attempts.record(root)
-    run.publish(diagnosis(message, root.traceback, "warning", root.rank))
+    body = tracebacks.without_launcher_text(root.traceback)  # from the user's frame on
+    run.publish(diagnosis(message, body, "warning", root.rank))
     run.plan.restart_count = run.attempts.restarts
     start_again(run, payload, message)
 

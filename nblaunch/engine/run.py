@@ -346,7 +346,10 @@ class Run:
 
     def run_ended(self, ok: bool) -> Event:
         """The run's last event: how it went, and each task rank's outcome in a few words."""
-        return verdict.run_ended(self.outcome, self.task_ranks, ok, time.time() - self.started_at)
+        elapsed_s = time.time() - self.started_at
+        return verdict.run_ended(
+            self.outcome, self.task_ranks, ok, elapsed_s, self.attempts.restarts
+        )
 
     # --- reporting -------------------------------------------------------------------------------
 

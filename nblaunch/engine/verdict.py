@@ -247,7 +247,8 @@ def exception_for(
         note += f"\n{hint}"
     add_note(exc, note)
     title = f"rank {rank} of {n} failed: {root.describe()}"
-    return exc, diagnosis(title, root.traceback or root.message, "error", rank, others)
+    body = tracebacks.without_launcher_text(root.traceback) or root.message  # the user's frames
+    return exc, diagnosis(title, body, "error", rank, others)
 
 
 def same_failure_everywhere(
@@ -367,8 +368,11 @@ def stop_reason(root: RootCause | None, timeout: float | None) -> str:
     return f"stopped after rank {root.rank} failed"
 
 
-def run_ended(outcome: Outcome, task_ranks: Iterable[int], ok: bool, elapsed_s: float) -> Event:
-    """The ``run_ended`` event: whether the run went well, and each task rank's outcome."""
+def run_ended(
+    outcome: Outcome, task_ranks: Iterable[int], ok: bool, elapsed_s: float, restarts: int = 0
+) -> Event:
+    """The ``run_ended`` event: whether the run went well, each task rank's outcome, and how
+    often the run started again (``max_restarts=``), when it did."""
     outcomes: dict[int, str] = {}
     for rank in task_ranks:
         if rank in outcome.results:
@@ -376,4 +380,7 @@ def run_ended(outcome: Outcome, task_ranks: Iterable[int], ok: bool, elapsed_s: 
         else:
             failure = next((f for f in outcome.failures if f.rank == rank), None)
             outcomes[rank] = "stopped" if failure is None else failure.outcome_words()
-    return {"kind": "run_ended", "ok": ok, "elapsed_s": elapsed_s, "ranks": outcomes}
+    ended: Event = {"kind": "run_ended", "ok": ok, "elapsed_s": elapsed_s, "ranks": outcomes}
+    if restarts:
+        ended["restarts"] = restarts
+    return ended

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nblaunch import tracebacks
 from nblaunch.engine import detached
 from nblaunch.engine.background import RUNNING, state_of, stopped_error
 from nblaunch.engine.history import EventHub
@@ -75,7 +76,9 @@ def run_detached(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     except KeyboardInterrupt:
         outcome = {"error": stopped_error(run_dir)}
     except BaseException as exc:  # the run's outcome, for whoever attaches
-        outcome = {"error": exc}
+        # With the rank's frames and text: the notebook shows them as a blocking launch does.
+        root = run.outcome.root
+        outcome = {"error": tracebacks.portable(exc), "traceback": root.traceback if root else ""}
     blob = pickled(outcome, plan.world_size)
     write_private(run_dir / detached.RESULT_FILE, blob)
     write_private(run_dir / detached.HISTORY_FILE, pickle.dumps(hub.history.events()))

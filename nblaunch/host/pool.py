@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nblaunch import tracebacks
 from nblaunch.engine import detached, wire
 from nblaunch.engine.background import RUNNING, STOPPED
 from nblaunch.engine.pool_ranks import PoolRanks
@@ -207,7 +208,7 @@ class PoolServer:
             )
             outcome: dict[str, Any] = {"values": values}
         except BaseException as exc:  # the task's outcome, the notebook raises it
-            outcome = {"error": exc}
+            outcome = {"error": tracebacks.portable(exc)}  # with the rank's frames
         finally:
             self._task_running = False
         outcome["info"] = pool_info(self.pool)

@@ -22,6 +22,22 @@ NO_RDZV_ID = "none"
 # rdzv_conf keys with a meaning here: Accelerate's own "rank" (it sets node_rank there for the
 # static rendezvous) and the c10d rendezvous's join timeout.
 RDZV_CONF_KEYS = ("rank", "join_timeout")
+# Accelerate's parameters after ``num_processes``, in its order (accelerate 1.x): a call may
+# pass them by position there, so it may here; nblaunch's own options are keyword-only.
+POSITIONAL = (
+    "mixed_precision",
+    "use_port",
+    "master_addr",
+    "node_rank",
+    "num_nodes",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_conf",
+    "rdzv_id",
+    "max_restarts",
+    "monitor_interval",
+    "log_line_prefix_template",
+)
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,36 @@ def translate(
         rdzv_id=None if rdzv_id == NO_RDZV_ID else rdzv_id,
         rdzv_timeout=rdzv_timeout,
     )
+
+
+def positional(
+    values: tuple[Any, ...], given: dict[str, Any], defaults: dict[str, Any]
+) -> tuple[Any, ...]:
+    """The values of :data:`POSITIONAL`, in its order, with Accelerate's positional arguments
+    after ``num_processes`` (``values``) in place of the keywords' (``given``).
+
+    Raises
+    ------
+    TypeError
+        More positional arguments than Accelerate takes, or one also given by keyword (with
+        another value than its default), as Python says for a call that does not fit.
+    """
+    if len(values) > len(POSITIONAL):
+        raise TypeError(
+            f"notebook_launcher() takes at most {3 + len(POSITIONAL)} positional arguments, "
+            f"as Accelerate's does (function, args, num_processes, {', '.join(POSITIONAL)}), "
+            f"but {3 + len(values)} were given; nblaunch's own options (kwargs=, block=, "
+            "detach=, timeout=, ...) are keyword-only"
+        )
+    chosen = dict(given)
+    for name, value in zip(POSITIONAL, values, strict=False):  # fewer values: the rest keep theirs
+        if given[name] != defaults[name]:
+            raise TypeError(
+                f"notebook_launcher() got multiple values for argument {name!r} (by position, "
+                "in Accelerate's order, and by keyword): pass it once"
+            )
+        chosen[name] = value
+    return tuple(chosen[name] for name in POSITIONAL)
 
 
 def _port(use_port: str | int | None, master_port: int | None) -> int | None:

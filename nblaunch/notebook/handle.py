@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch.engine import detached, spares
-from nblaunch.engine.background import RUNNING, BackgroundRun, RunControl
+from nblaunch.engine.background import LOST, RUNNING, BackgroundRun, RunControl
 from nblaunch.engine.history import EventHub
 from nblaunch.engine.plan import LaunchPlan
 from nblaunch.engine.run import Run
@@ -108,8 +108,12 @@ class RunHandle:
         try:
             values = self._control.values()
         except BaseException as exc:
-            raise (self.localize(exc) if self.localize else exc) from None
-        return self.finish(values) if self.finish else values
+            error = exc
+        else:
+            return self.finish(values) if self.finish else values
+        # Raised outside the except clause, with its own cause and context (a "from None" would
+        # drop the rank's chained exceptions, which a blocking launch shows).
+        raise self.localize(error) if self.localize else error
 
     def stop(self) -> None:
         """Stop every rank (what they wrote stays in the run directory); ``result()`` then
@@ -217,9 +221,11 @@ def attach(run_id: str | None = None) -> RunHandle:
         No such run (the message lists the detached runs).
     """
     entry = detached.find(run_id, kind="run")
-    for handle in _kernel_runs:
-        if handle.id == entry.run_id and handle.state == RUNNING:
-            return handle
+    for handle in list(_kernel_runs):
+        if handle.id == entry.run_id and handle.detached:
+            if handle.state != LOST:
+                return handle  # one handle per run: runs() lists it once
+            _kernel_runs.remove(handle)  # lost to this kernel (its host gone?): read it again
     handle = RunHandle(detached.AttachedRun(entry), detached=True)
     handle.started_at = entry.started_at
     return remember(handle)

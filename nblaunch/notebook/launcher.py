@@ -16,6 +16,7 @@ A launch goes through four steps:
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -43,7 +44,7 @@ def notebook_launcher(
     function: Any,
     args: tuple[Any, ...] | list[Any] = (),
     num_processes: int | None = None,
-    *,
+    *accelerate_args: Any,
     kwargs: dict[str, Any] | None = None,
     start_method: str = "forkserver",
     debug: bool | None = None,
@@ -85,6 +86,11 @@ def notebook_launcher(
     num_processes
         Number of ranks (per node, with ``num_nodes``). Default: one per visible GPU, else 1
         (pass a number for more CPU ranks).
+    accelerate_args
+        Accelerate's parameters after ``num_processes``, by position in Accelerate's order
+        (``mixed_precision``, ``use_port``, ``master_addr``, ``node_rank``, ``num_nodes``, ...,
+        ``log_line_prefix_template``), so an Accelerate call runs unchanged. nblaunch's own
+        options are keyword-only.
     start_method
         ``"forkserver"`` (default, fast after the first launch), ``"spawn"`` or ``"fork"``.
     debug
@@ -180,6 +186,38 @@ def notebook_launcher(
     """
     __tracebackhide__ = True  # the rank's traceback matters, not the launcher's frames
 
+    if accelerate_args:  # Accelerate's call, by position: each value under its keyword
+        (
+            mixed_precision,
+            use_port,
+            master_addr,
+            node_rank,
+            num_nodes,
+            rdzv_backend,
+            rdzv_endpoint,
+            rdzv_conf,
+            rdzv_id,
+            max_restarts,
+            monitor_interval,
+            log_line_prefix_template,
+        ) = accelerate_keywords.positional(
+            accelerate_args,
+            {
+                "mixed_precision": mixed_precision,
+                "use_port": use_port,
+                "master_addr": master_addr,
+                "node_rank": node_rank,
+                "num_nodes": num_nodes,
+                "rdzv_backend": rdzv_backend,
+                "rdzv_endpoint": rdzv_endpoint,
+                "rdzv_conf": rdzv_conf,
+                "rdzv_id": rdzv_id,
+                "max_restarts": max_restarts,
+                "monitor_interval": monitor_interval,
+                "log_line_prefix_template": log_line_prefix_template,
+            },
+            _keyword_defaults(),
+        )
     refuse_if_running("notebook_launcher")  # a persistent pool holds the devices
     meeting = accelerate_keywords.translate(
         use_port=use_port,
@@ -258,6 +296,12 @@ def notebook_launcher(
     finally:
         # The notebook will likely run this again: have its ranks' processes ready by then.
         spares.fork_ahead(plan.world_size, plan.start_method)
+
+
+def _keyword_defaults() -> dict[str, Any]:
+    """``notebook_launcher``'s keyword-only parameters and their defaults."""
+    parameters = inspect.signature(notebook_launcher).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY}
 
 
 def _refuse_in_background(

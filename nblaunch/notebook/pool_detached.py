@@ -18,6 +18,7 @@ import socket
 import time
 from typing import Any
 
+from nblaunch import tracebacks
 from nblaunch.engine import detached, pool_ranks, wire
 from nblaunch.engine.pool_status import PoolState
 from nblaunch.engine.pool_task import TaskGuard
@@ -222,7 +223,7 @@ class DetachedPool(Pool):
         self._take_info(outcome.pop("info"))
         self.tasks_run += 1
         if "error" in outcome:
-            raise outcome["error"]
+            raise tracebacks.make_readable(outcome["error"])  # the rank's frames, as a local pool's
         return outcome["values"]
 
     def _follow(self, view: Any, guard: TaskGuard) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nblaunch.events import RunState, checking_mode
+from nblaunch.events import RunState, after_restarts, checking_mode
 from nblaunch.notebook.charts import render_svg
 from nblaunch.notebook.views.ansi import esc, strip_to_html, to_html
 from nblaunch.notebook.views.fold import fold_lines, rank_ranges
@@ -97,7 +97,9 @@ def head_html(model: RunModel, elapsed_s: float) -> str:
         checking_mode(info),
     ]
     if model.ended is not None:
-        parts.append(f"<b>{model.outcome_word()}</b> in {model.ended['elapsed_s']:.1f} s")
+        ended = model.ended
+        parts.append(f"<b>{model.outcome_word()}</b> in {ended['elapsed_s']:.1f} s")
+        parts[-1] += after_restarts(ended)
     else:
         parts.append(f"{elapsed_s:.0f} s")
     out = "<div class='nbl-head'>nblaunch · " + " · ".join(parts)

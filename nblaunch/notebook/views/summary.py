@@ -7,7 +7,7 @@ state (GitHub, nbviewer, another Lab) still shows each rank's outcome and last l
 
 from __future__ import annotations
 
-from nblaunch.events import RunState
+from nblaunch.events import RunState, after_restarts
 from nblaunch.notebook.charts import render_svg
 from nblaunch.notebook.views.ansi import esc, printable, to_html
 from nblaunch.notebook.views.fold import fold_lines, rank_ranges
@@ -34,6 +34,7 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
     ranks = sorted(set(model.states) | set(ended["ranks"]))
     outcomes = {r: _outcome(model, r, ended["ranks"].get(r, "")) for r in ranks}
     header = f"nblaunch: {model.outcome_word()} in {ended['elapsed_s']:.2f} s"
+    header += after_restarts(ended)
     run_dir = (model.info or {}).get("run_dir", "")
     errors = [d["title"] for d in model.diagnoses if d["severity"] == "error"][:1]
     notes = [d["title"] for d in model.diagnoses if d["severity"] != "error"][:5]
@@ -202,7 +203,9 @@ def _outcome(model: RunModel, rank: int, outcome: str) -> str:
     if outcome != "returned" or value is None:
         return outcome
     shown = short_repr(value)
-    return f"returned {shown}" if shown else outcome
+    # None reads as nothing, as a cell that ends without a value: a pool cell's main rank
+    # returns the cell's result (not shown here) and the others None, alike.
+    return f"returned {shown}" if shown and shown != "None" else outcome
 
 
 def short_repr(value_bytes: bytes) -> str:

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TextIO
 
-from nblaunch.events import Event, RunState, checking_mode
+from nblaunch.events import Event, RunState, after_restarts, checking_mode
 from nblaunch.notebook.views.fold import fold_lines, rank_ranges
 from nblaunch.notebook.views.model import Line
 from nblaunch.options import DEFAULT_LINE_PREFIX, format_line_prefix
@@ -109,7 +109,9 @@ class TextView:
             if event["severity"] != "error":  # errors are raised; the traceback shows them
                 self._pending.append((True, f"nblaunch: {event['title']}\n{event['body']}\n"))
         elif kind == "run_ended":
-            summary = _summary_text(event["ok"], event["elapsed_s"], event["ranks"])
+            summary = _summary_text(
+                event["ok"], event["elapsed_s"], event["ranks"], after_restarts(event)
+            )
             self._pending.append((False, summary))
 
     def prefix(self, rank: int) -> str:
@@ -162,10 +164,10 @@ class TextView:
         return format_line_prefix(self._line_prefix, rank_ranges(ranks), local)
 
 
-def _summary_text(ok: bool, elapsed_s: float, ranks: dict[int, str]) -> str:
+def _summary_text(ok: bool, elapsed_s: float, ranks: dict[int, str], restarts: str = "") -> str:
     """The run's end: each rank's outcome; past ``SUMMARY_BY_RANK`` ranks, ranks that ended
-    alike share a line (``ranks 0-16,18-63: returned``)."""
-    lines = [f"nblaunch: {'finished' if ok else 'failed'} in {elapsed_s:.2f} s"]
+    alike share a line (``ranks 0-16,18-63: returned``). ``restarts``: " after 1 restart"."""
+    lines = [f"nblaunch: {'finished' if ok else 'failed'} in {elapsed_s:.2f} s{restarts}"]
     if len(ranks) <= SUMMARY_BY_RANK:
         lines += [f"  rank {rank}: {outcome}" for rank, outcome in sorted(ranks.items())]
     else:
