@@ -9,6 +9,7 @@ A file's folder says which process it runs in (docs/design.md, "Packages by proc
 - ``nblaunch/host/`` is a detached run's host process: shared, ranks, engine, itself, and the
   notebook's pool (a detached pool's host runs it headless), never IPython or ipywidgets;
 - ``nblaunch/notebook/`` is the front ends, the only package that imports IPython or ipywidgets;
+- ``nblaunch/lab/`` is the Jupyter server's extension (the runs panel): shared, engine, itself;
 - the shared modules (``errors``, ``events``, ``options``, ``tracebacks``, ``pickling``) import
   only each other.
 """
@@ -35,6 +36,9 @@ ALLOWED = {
     # never IPython itself: the front-end libraries stay the notebook package's alone.
     "host": {"shared", "ranks", "engine", "notebook", "host"},
     "notebook": {"shared", "ranks", "engine", "cluster", "notebook"},
+    # The runs panel's server extension runs in the Jupyter server: it reads and stops runs
+    # through the engine, never through the notebook's front ends (no kernel, no IPython).
+    "lab": {"shared", "engine", "lab"},
 }
 FRONT_END_LIBRARIES = {"IPython", "ipywidgets", "ipykernel"}
 MAX_MODULE_LINES = 500
