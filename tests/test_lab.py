@@ -31,7 +31,7 @@ import sys, time, nblaunch
 def train(steps, pause_s, fail):
     import torch.distributed as dist
     for step in range(steps):
-        nblaunch.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+        nblaunch.log_metrics({"loss": 1.0 / (step + 1) + 0.05 * dist.get_rank()}, step=step)
         print(f"step {step}", flush=True)
         time.sleep(pause_s)
     if fail and dist.get_rank() == 1:
@@ -63,14 +63,14 @@ def start_detached(work: Path, steps: int, pause_s: float, fail: bool = False) -
 class Server:
     """A Jupyter server (``jupyter server``) on 127.0.0.1 with a token, its root ``work``."""
 
-    def __init__(self, tmp_path: Path, work: Path) -> None:
+    def __init__(self, tmp_path: Path, work: Path, env: dict[str, str] | None = None) -> None:
         config = tmp_path / "config"
         (config / "jupyter_server_config.d").mkdir(parents=True)
         shipped = ROOT / "jupyter-config" / "jupyter_server_config.d" / "nblaunch.json"
         shutil.copy(shipped, config / "jupyter_server_config.d" / "nblaunch.json")
         self.port, self.token = _free_port(), secrets.token_hex(16)
         self.base = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, JUPYTER_CONFIG_DIR=str(config))
+        env = dict(os.environ, JUPYTER_CONFIG_DIR=str(config), **(env or {}))
         self.log = tmp_path / "server.log"
         self.process = subprocess.Popen(
             [
@@ -95,10 +95,12 @@ class Server:
             time.sleep(0.3)
 
     def request(
-        self, path: str, method: str = "GET", token: bool = True
+        self, path: str, method: str = "GET", token: bool = True, body: dict | None = None
     ) -> tuple[int, dict | None]:
         headers = {"Authorization": f"token {self.token}"} if token else {}
         data = b"" if method == "POST" else None
+        if body is not None:
+            data = json.dumps(body).encode()
         request = urllib.request.Request(self.base + path, data, headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=30) as response:
@@ -134,6 +136,11 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+# Every kernel of the test's server runs this first (an IPython startup file): it attaches to
+# the detached pool, as a person's `nblaunch.attach_pool()` cell would.
+ATTACH_POOL = "import nblaunch\npool = nblaunch.attach_pool()\n"
+
+
 @pytest.fixture
 def lab_server(tmp_path, monkeypatch):
     """A server whose root folder is ``tmp_path/work``; runs go to its ``.nblaunch/runs``."""
@@ -141,7 +148,10 @@ def lab_server(tmp_path, monkeypatch):
     work.mkdir()
     monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(tmp_path / "detached"))
     monkeypatch.delenv("NBLAUNCH_RUN_DIR")  # the default, .nblaunch/runs in the root folder
-    server = Server(tmp_path, work)
+    startup = tmp_path / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-attach-pool.py").write_text(ATTACH_POOL)
+    server = Server(tmp_path, work, {"IPYTHONDIR": str(tmp_path / "ipython")})
     yield server, work
     server.close()
 
@@ -181,9 +191,7 @@ def test_a_detached_run_is_listed_watched_live_and_stopped(lab_server):
     assert set(view["ranks"]) == {"0", "1"} and view["ranks"]["1"]["device"] == "cpu"
     assert any(text.startswith("step ") for _, text in view["lines"])
     assert view["metrics"]["loss"]["0"][0] == [0, 1.0]
-    # Unchanged since the version it gave: 304, nothing sent (the panel's poll costs little).
-    status = server.status(f"/nblaunch/api/runs/{run_id}?since={view['version'] + 10**9}")
-    assert status == 200
+    assert server.status(f"/nblaunch/api/runs/{run_id}?since=0.running.None") == 200
     code, stopped = server.request(f"/nblaunch/api/runs/{run_id}/stop", "POST")
     assert code == 200 and stopped == {"stopped": True, "state": "running"}
     assert wait_until(lambda: server.runs()[run_id]["state"] == "stopped", 30)
@@ -191,8 +199,8 @@ def test_a_detached_run_is_listed_watched_live_and_stopped(lab_server):
     assert detail["view"]["ended"] is not None and not detail["view"]["ended"]["ok"]
     code, again = server.request(f"/nblaunch/api/runs/{run_id}/stop", "POST")
     assert again == {"stopped": False, "state": "stopped"}
-    since = detail["view"]["version"]
-    assert server.status(f"/nblaunch/api/runs/{run_id}?since={since}") == 304
+    # Unchanged since the tag it gave: 304, nothing sent (the panel's poll costs little).
+    assert server.status(f"/nblaunch/api/runs/{run_id}?since={detail['tag']}") == 304
 
 
 @pytest.mark.slow
@@ -205,6 +213,56 @@ def test_a_failed_run_is_listed_with_the_first_line_of_its_root_cause(lab_server
     assert "\n" not in run["cause"] and run["ended"] >= run["started"]
     _, detail = server.request(f"/nblaunch/api/runs/{run_id}")
     assert detail["view"]["ended"]["ranks"]["1"].startswith("ValueError")
+
+
+POOL = """
+import time, nblaunch
+pool = nblaunch.start_pool(2, detach=True, device_type="cpu")
+print(pool.entry.run_id, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_detached_pool_is_listed_with_the_kernel_that_holds_it_and_stopped(lab_server):
+    server, work = lab_server
+    (work / "pool.py").write_text(POOL)
+    # A terminal holds it first: a process, not a kernel of this server.
+    terminal = subprocess.Popen(
+        [sys.executable, "pool.py"], cwd=work, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pool_id = terminal.stdout.readline().strip()
+        run = server.runs()[pool_id]
+        assert (run["kind"], run["state"], run["ranks"]) == ("pool", "running", 2)
+        assert run["holder"]["pid"] == terminal.pid and run["holder"]["kernel"] is None
+        terminal.kill()  # as a kernel crashes: the pool goes on, held by nobody
+        terminal.wait(10)
+        assert wait_until(lambda: server.runs()[pool_id]["holder"] is None, 10)
+        assert server.runs()[pool_id]["state"] == "running"
+        # A notebook's kernel of this server attaches (its startup file does).
+        code, session = server.request(
+            "/api/sessions",
+            "POST",
+            body={"path": "train.ipynb", "type": "notebook", "kernel": {"name": "python3"}},
+        )
+        assert code == 201, code
+
+        def holder_kernel() -> dict | None:
+            holder = server.runs()[pool_id]["holder"]
+            return holder and holder["kernel"]
+
+        assert wait_until(holder_kernel, 60, interval=0.5)
+        assert holder_kernel() == {"kernel_id": session["kernel"]["id"], "path": "train.ipynb"}
+        code, detail = server.request(f"/nblaunch/api/runs/{pool_id}")
+        assert detail["holder"]["kernel"]["path"] == "train.ipynb"
+        code, stopped = server.request(f"/nblaunch/api/runs/{pool_id}/stop", "POST")
+        assert stopped == {"stopped": True, "state": "running"}
+        assert wait_until(lambda: server.runs()[pool_id]["state"] == "stopped", 30)
+        assert server.runs()[pool_id]["holder"] is None
+    finally:
+        terminal.kill()
+        terminal.wait(10)
 
 
 @pytest.mark.slow

@@ -100,7 +100,8 @@ def test_the_panel_lists_a_detached_run_shows_it_live_and_stops_it(lab, tmp_path
     from playwright.sync_api import expect, sync_playwright
 
     url, work, (base, token) = lab
-    run_id = start_detached(work, 3000, 0.1)  # from a terminal: the process has exited
+    failed_id = start_detached(work, 3, 0.05, fail=True)  # from a terminal, which exits
+    run_id = start_detached(work, 3000, 0.1)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
@@ -111,6 +112,9 @@ def test_the_panel_lists_a_detached_run_shows_it_live_and_stops_it(lab, tmp_path
             tab = page.locator('.jp-SideBar li[data-id="nblaunch-runs"]')
             expect(tab).to_be_visible(timeout=90_000)
             tab.click()
+            failed = page.locator(f'.nbl-lab-run[data-id="{failed_id}"]')
+            expect(failed).to_have_class("nbl-lab-run nbl-lab-state-failed", timeout=60_000)
+            expect(failed.locator(".nbl-lab-cause")).to_contain_text("no column 7 on rank 1")
             row = page.locator(f'.nbl-lab-run[data-id="{run_id}"]')
             expect(row).to_contain_text("running · detached · 2 ranks", timeout=30_000)
             expect(row).to_have_class("nbl-lab-run nbl-lab-state-running")

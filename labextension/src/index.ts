@@ -34,6 +34,7 @@ interface IRecord {
   pid: number | null;
   function: string;
   last_step: number | null;
+  holder: { pid: number; kernel: { kernel_id: string; path: string | null } | null } | null;
 }
 
 interface IView {
@@ -63,6 +64,18 @@ function el(tag: string, cls = '', text = ''): HTMLElement {
     node.textContent = text;
   }
   return node;
+}
+
+// Which kernel a detached pool serves now, as the list and the view say it.
+function holderText(run: IRecord): string {
+  const holder = run.holder;
+  if (!holder) {
+    return 'no kernel attached (nblaunch.attach_pool() in a notebook takes it)';
+  }
+  if (!holder.kernel) {
+    return `held by pid ${holder.pid} (not a kernel of this server)`;
+  }
+  return `held by the kernel of ${holder.kernel.path || holder.kernel.kernel_id} (pid ${holder.pid})`;
 }
 
 function clock(seconds: number | null): string {
@@ -121,6 +134,9 @@ class RunsPanel extends Widget {
       const devices = run.devices.length ? ` · ${[...new Set(run.devices)].join(', ')}` : '';
       const facts = `${run.state} · ${where} · ${run.ranks} ranks${devices}${step}`;
       row.appendChild(el('div', 'nbl-lab-facts', facts));
+      if (run.kind === 'pool' && run.state === 'running') {
+        row.appendChild(el('div', 'nbl-lab-holder', holderText(run)));
+      }
       if (run.cause) {
         row.appendChild(el('div', 'nbl-lab-cause', run.cause));
       }
@@ -134,7 +150,7 @@ class RunsPanel extends Widget {
 // One run in the main area: header and Stop, rank badges (or grid), charts, cause, all ranks.
 class RunView extends Widget {
   private timer = 0;
-  private version = -1;
+  private tag = '';
 
   constructor(private runId: string) {
     super();
@@ -153,7 +169,7 @@ class RunView extends Widget {
   }
 
   async refresh(): Promise<void> {
-    const response = await api(`runs/${this.runId}?since=${this.version}`);
+    const response = await api(`runs/${this.runId}?since=${this.tag}`);
     if (response.status === 304) {
       return;
     }
@@ -163,7 +179,7 @@ class RunView extends Widget {
       return;
     }
     const run = await response.json();
-    this.version = run.view.version;
+    this.tag = run.tag;
     this.render(run as IRecord, run.view as IView);
     if (run.state !== 'running') {
       window.clearInterval(this.timer); // ended: the picture will not change
@@ -174,7 +190,7 @@ class RunView extends Widget {
     button.disabled = true;
     button.textContent = 'Stopping…';
     await api(`runs/${this.runId}/stop`, 'POST');
-    this.version = -1;
+    this.tag = '';
     window.clearInterval(this.timer);
     this.timer = window.setInterval(() => void this.refresh(), VIEW_EVERY_MS);
   }
@@ -201,10 +217,8 @@ class RunView extends Widget {
     ];
     root.appendChild(el('div', 'nbl-lab-facts', facts.filter(Boolean).join(' · ')));
     root.appendChild(el('div', 'nbl-lab-dir', run.run_dir));
-    if (run.kind === 'pool') {
-      root.appendChild(
-        el('div', 'nbl-lab-note', 'a detached pool: a kernel attaches with nblaunch.attach_pool()')
-      );
+    if (run.kind === 'pool' && run.state === 'running') {
+      root.appendChild(el('div', 'nbl-lab-holder', holderText(run)));
     }
     if (view.last_step !== null) {
       root.appendChild(el('div', 'nbl-lab-step', `last step ${view.last_step}`));
@@ -285,7 +299,15 @@ function chart(name: string, byRank: { [rank: string]: [number, number | null][]
     svg.appendChild(line);
   });
   box.appendChild(svg);
-  box.appendChild(el('div', 'nbl-lab-chart-range', `${y0.toPrecision(3)} … ${y1.toPrecision(3)}`));
+  const range = `steps ${x0} … ${x1} · values ${y0.toPrecision(3)} … ${y1.toPrecision(3)}`;
+  box.appendChild(el('div', 'nbl-lab-chart-range', range));
+  const legend = el('div', 'nbl-lab-legend');
+  Object.keys(byRank).forEach((rank, i) => {
+    const key = el('span', '', `rank ${rank}`);
+    key.style.borderLeft = `12px solid ${COLOURS[i % COLOURS.length]}`;
+    legend.appendChild(key);
+  });
+  box.appendChild(legend);
   return box;
 }
 

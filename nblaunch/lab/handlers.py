@@ -2,7 +2,8 @@
 
 - ``GET /nblaunch/api/runs``: every run and pool of this user the panel lists (JSON list);
 - ``GET /nblaunch/api/runs/<id>``: one run's record and its picture (``"view"``), live for a
-  detached run; ``?since=V`` answers 304 while the picture's version is still ``V``;
+  detached run; ``?since=TAG`` answers 304 while its ``tag`` (the picture's version, the state and a
+  pool's holder) is still ``TAG``;
 - ``POST /nblaunch/api/runs/<id>/stop``: what ``nblaunch runs stop ID`` does.
 
 An id the list does not show (another user's run, or none) is 404 on both.
@@ -29,6 +30,26 @@ class _RunsHandler(APIHandler):
     def initialize(self, index: RunsIndex) -> None:
         self.index = index
 
+    async def name_kernels(self, records: list[dict[str, Any]]) -> None:
+        """Add to each pool's holder which kernel of this server it is, and its notebook."""
+        held = [r["holder"] for r in records if r.get("holder")]
+        if not held:
+            return
+        kernels = self.settings.get("kernel_manager")
+        sessions = self.settings.get("session_manager")
+        by_pid: dict[int, dict[str, Any]] = {}
+        for kernel_id in kernels.list_kernel_ids() if kernels is not None else []:
+            provisioner = getattr(kernels.get_kernel(kernel_id), "provisioner", None)
+            if isinstance(getattr(provisioner, "pid", None), int):  # a local kernel
+                by_pid[provisioner.pid] = {"kernel_id": kernel_id, "path": None}
+        if sessions is not None and by_pid:
+            for session in await sessions.list_sessions():
+                for kernel in by_pid.values():
+                    if session.get("kernel", {}).get("id") == kernel["kernel_id"]:
+                        kernel["path"] = session.get("path")
+        for holder in held:
+            holder["kernel"] = by_pid.get(holder["pid"])  # None: not a kernel of this server
+
     def reply(self, body: Any) -> None:
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")
@@ -37,18 +58,23 @@ class _RunsHandler(APIHandler):
 
 class RunsHandler(_RunsHandler):
     @tornado.web.authenticated
-    def get(self) -> None:
-        self.reply({"runs": self.index.records()})
+    async def get(self) -> None:
+        records = self.index.records()
+        await self.name_kernels(records)
+        self.reply({"runs": records})
 
 
 class RunHandler(_RunsHandler):
     @tornado.web.authenticated
-    def get(self, run_id: str) -> None:
+    async def get(self, run_id: str) -> None:
         detail = self.index.detail(run_id)
         if detail is None:
             raise tornado.web.HTTPError(404, f"no run {run_id} of yours is listed")
+        await self.name_kernels([detail])
+        holder = detail.get("holder") or {}
+        detail["tag"] = f"{detail['view']['version']}.{detail['state']}.{holder.get('pid')}"
         since = self.get_query_argument("since", None)
-        if since is not None and since == str(detail["view"]["version"]):
+        if since is not None and since == detail["tag"]:
             self.set_status(304)
             self.finish()
             return

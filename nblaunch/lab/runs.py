@@ -161,6 +161,7 @@ class RunsIndex:
             "function": entry.function,
             "started": entry.started_at,
             "ended": self._ended_at(entry.run_dir) if state != RUNNING else None,
+            "holder": _holder(entry) if state == RUNNING else None,
         }
 
     def _dir_record(self, run_dir: Path) -> dict[str, Any]:
@@ -184,6 +185,7 @@ class RunsIndex:
             "function": "",
             "started": _started_at(run_dir),
             "ended": None if live else self._ended_at(run_dir),
+            "holder": None,
         }
 
     def _base(self, run_id: str, run_dir: Path, summary: RunSummary | None) -> dict[str, Any]:
@@ -292,6 +294,16 @@ _KERNEL_RUN = (
     "this run belongs to a kernel, not to a run host: stop it from its notebook "
     "(the view's Stop button, or interrupt the kernel)"
 )
+
+
+def _holder(entry: detached.Entry) -> dict[str, Any] | None:
+    """The process a detached pool's host serves now (a kernel), while it lives."""
+    if entry.kind != "pool":
+        return None
+    holder = detached.holder_of(entry.run_dir)
+    if holder is None or not os.path.exists(f"/proc/{holder['pid']}"):
+        return None
+    return {"pid": holder["pid"], "since": holder.get("since")}
 
 
 def _host_is_ours(pid: int) -> bool:
