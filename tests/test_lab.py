@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ROOT, wait_until
@@ -111,6 +112,13 @@ class Server:
         except OSError:
             return 0, None
 
+    def open(self, path: str) -> Any:
+        """A streamed response (server-sent events) to read line by line."""
+        headers = {"Authorization": f"token {self.token}"}
+        return urllib.request.urlopen(
+            urllib.request.Request(self.base + path, None, headers), timeout=30
+        )
+
     def status(self, path: str, method: str = "GET", token: bool = True) -> int:
         return self.request(path, method, token)[0]
 
@@ -126,6 +134,15 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(5)
+
+
+def next_event(stream: Any) -> dict | None:
+    """The next server-sent event's data, or None at the stream's end."""
+    while line := stream.readline():
+        if line.startswith(b"data: "):
+            assert stream.readline() == b"\n"
+            return json.loads(line[6:])
+    return None
 
 
 def _free_port() -> int:
@@ -164,9 +181,11 @@ def test_without_the_token_the_api_is_refused_as_the_server_refuses_its_own(lab_
     assert server.status("/nblaunch/api/runs", token=False) == own
     assert server.status("/nblaunch/api/runs/x", token=False) == own
     assert server.status("/nblaunch/api/runs/x/stop", "POST", token=False) == own
+    assert server.status("/nblaunch/api/runs/x/events", token=False) == own
     assert server.status("/nblaunch/api/runs") == 200
     assert server.status("/nblaunch/api/runs/x") == 404
     assert server.status("/nblaunch/api/runs/x/stop", "POST") == 404
+    assert server.status("/nblaunch/api/runs/x/events") == 404
 
 
 @pytest.mark.slow
@@ -192,9 +211,19 @@ def test_a_detached_run_is_listed_watched_live_and_stopped(lab_server):
     assert any(text.startswith("step ") for _, text in view["lines"])
     assert view["metrics"]["loss"]["0"][0] == [0, 1.0]
     assert server.status(f"/nblaunch/api/runs/{run_id}?since=0.running.None") == 200
+    # The event stream: a picture at each change, live, and it ends with the run.
+    stream = server.open(f"/nblaunch/api/runs/{run_id}/events")
+    assert stream.headers["Content-Type"] == "text/event-stream"
+    first = next_event(stream)
+    assert first["state"] == "running"
+    assert next_event(stream)["view"]["version"] > first["view"]["version"]
     code, stopped = server.request(f"/nblaunch/api/runs/{run_id}/stop", "POST")
     assert code == 200 and stopped == {"stopped": True, "state": "running"}
-    assert wait_until(lambda: server.runs()[run_id]["state"] == "stopped", 30)
+    events = []
+    while (event := next_event(stream)) is not None:  # bounded: the socket's 30 s timeout
+        events.append(event)
+    assert events[-1]["state"] == "stopped" and events[-1]["view"]["ended"] is not None
+    assert server.runs()[run_id]["state"] == "stopped"
     code, detail = server.request(f"/nblaunch/api/runs/{run_id}")
     assert detail["view"]["ended"] is not None and not detail["view"]["ended"]["ok"]
     code, again = server.request(f"/nblaunch/api/runs/{run_id}/stop", "POST")
@@ -306,6 +335,7 @@ def test_another_user_s_runs_are_neither_listed_nor_reachable(lab_server, tmp_pa
         for run_id in (theirs.name, entry["run_id"]):
             assert server.status(f"/nblaunch/api/runs/{run_id}") == 404
             assert server.status(f"/nblaunch/api/runs/{run_id}/stop", "POST") == 404
+            assert server.status(f"/nblaunch/api/runs/{run_id}/events") == 404
         assert host.poll() is None  # not signalled
         code, detail = server.request(f"/nblaunch/api/runs/{mine.name}")
         assert detail["view"]["ranks"]["0"]["lines"] == ["step 0", "step 1"]

@@ -108,6 +108,8 @@ def test_the_panel_lists_a_detached_run_shows_it_live_and_stops_it(lab, tmp_path
         )
         try:
             page = browser.new_page(viewport={"width": 1300, "height": 800})
+            asked: list[str] = []
+            page.on("request", lambda request: asked.append(request.url))
             page.goto(url, timeout=90_000)
             tab = page.locator('.jp-SideBar li[data-id="nblaunch-runs"]')
             expect(tab).to_be_visible(timeout=90_000)
@@ -142,6 +144,9 @@ def test_the_panel_lists_a_detached_run_shows_it_live_and_stops_it(lab, tmp_path
             expect(view.locator(".nbl-lab-stop")).to_have_count(0)
             expect(row).to_contain_text("stopped", timeout=10_000)
             expect(view.locator(".nbl-lab-summary")).to_contain_text("finished in")
+            # The view followed the run's event stream; it never fell back to asking each second.
+            assert [url for url in asked if f"/runs/{run_id}/events" in url]
+            assert not [url for url in asked if "?since=" in url]
         finally:
             browser.close()
     assert _kernels(base, token) == []  # all of it without a kernel

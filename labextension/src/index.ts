@@ -148,9 +148,13 @@ class RunsPanel extends Widget {
 }
 
 // One run in the main area: header and Stop, rank badges (or grid), charts, cause, all ranks.
+// It follows the run's event stream (a picture at each change, until the run ended); where
+// the stream cannot be read it asks every second instead.
 class RunView extends Widget {
   private timer = 0;
   private tag = '';
+  private reader: ReadableStreamDefaultReader<Uint8Array> | null = null;
+  private ended = false;
 
   constructor(private runId: string) {
     super();
@@ -159,13 +163,59 @@ class RunView extends Widget {
     this.title.label = runId;
     this.title.icon = icon;
     this.title.closable = true;
-    void this.refresh();
-    this.timer = window.setInterval(() => void this.refresh(), VIEW_EVERY_MS);
+    void this.follow();
   }
 
   dispose(): void {
     window.clearInterval(this.timer);
+    void this.reader?.cancel();
     super.dispose();
+  }
+
+  private draw(run: any): void {
+    this.tag = run.tag;
+    this.ended = run.state !== 'running';
+    this.render(run as IRecord, run.view as IView);
+  }
+
+  async follow(): Promise<void> {
+    while (!this.isDisposed && !this.ended) {
+      let response: Response;
+      try {
+        response = await api(`runs/${this.runId}/events`);
+      } catch {
+        break;
+      }
+      if (!response.ok || !response.body) {
+        this.node.textContent = `run ${this.runId}: the server answered ${response.status}`;
+        return;
+      }
+      this.reader = response.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = '';
+      for (;;) {
+        const { value, done } = await this.reader.read().catch(() => ({ value: undefined, done: true }));
+        if (done || this.isDisposed) {
+          break;
+        }
+        buffer += decoder.decode(value, { stream: true });
+        let cut: number;
+        while ((cut = buffer.indexOf('\n\n')) >= 0) {
+          const message = buffer.slice(0, cut);
+          buffer = buffer.slice(cut + 2);
+          if (message.startsWith('data: ')) {
+            this.draw(JSON.parse(message.slice(6)));
+          }
+        }
+      }
+      if (!this.tag) {
+        break; // nothing came through: read it the plain way
+      }
+      await new Promise(resolve => window.setTimeout(resolve, VIEW_EVERY_MS)); // then again
+    }
+    if (!this.isDisposed && !this.ended) {
+      this.timer = window.setInterval(() => void this.refresh(), VIEW_EVERY_MS);
+    }
   }
 
   async refresh(): Promise<void> {
@@ -178,21 +228,16 @@ class RunView extends Widget {
       window.clearInterval(this.timer);
       return;
     }
-    const run = await response.json();
-    this.tag = run.tag;
-    this.render(run as IRecord, run.view as IView);
-    if (run.state !== 'running') {
-      window.clearInterval(this.timer); // ended: the picture will not change
+    this.draw(await response.json());
+    if (this.ended) {
+      window.clearInterval(this.timer); // the picture will not change
     }
   }
 
   private async stop(button: HTMLButtonElement): Promise<void> {
     button.disabled = true;
     button.textContent = 'Stopping…';
-    await api(`runs/${this.runId}/stop`, 'POST');
-    this.tag = '';
-    window.clearInterval(this.timer);
-    this.timer = window.setInterval(() => void this.refresh(), VIEW_EVERY_MS);
+    await api(`runs/${this.runId}/stop`, 'POST'); // the stream (or the poll) shows it end
   }
 
   private render(run: IRecord, view: IView): void {

@@ -4,6 +4,8 @@
 - ``GET /nblaunch/api/runs/<id>``: one run's record and its picture (``"view"``), live for a
   detached run; ``?since=TAG`` answers 304 while its ``tag`` (the picture's version, the state and a
   pool's holder) is still ``TAG``;
+- ``GET /nblaunch/api/runs/<id>/events``: the same picture as server-sent events, one at each
+  change, until the run ended (the server is fed by the host's socket; the panel follows this);
 - ``POST /nblaunch/api/runs/<id>/stop``: what ``nblaunch runs stop ID`` does.
 
 An id the list does not show (another user's run, or none) is 404 on both.
@@ -11,9 +13,12 @@ An id the list does not show (another user's run, or none) is 404 on both.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
+import tornado.iostream
 import tornado.web
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
@@ -21,6 +26,10 @@ from jupyter_server.utils import url_path_join
 from nblaunch.lab.runs import RunsIndex
 
 API = "nblaunch/api"
+# How often an event stream looks whether its run's picture changed, and how long one lasts
+# at most (the panel opens another).
+STREAM_STEP_S = 0.25
+STREAM_LIMIT_S = 3600.0
 _ID = r"(?P<run_id>[A-Za-z0-9_.\-]+)"
 
 
@@ -50,6 +59,22 @@ class _RunsHandler(APIHandler):
         for holder in held:
             holder["kernel"] = by_pid.get(holder["pid"])  # None: not a kernel of this server
 
+    async def detail(self, run_id: str) -> dict[str, Any]:
+        """The run's record and picture, with its ``tag`` (what changes when the panel redraws).
+
+        Raises
+        ------
+        tornado.web.HTTPError
+            404: the list does not show ``run_id`` (none, or another user's).
+        """
+        detail = self.index.detail(run_id)
+        if detail is None:
+            raise tornado.web.HTTPError(404, f"no run {run_id} of yours is listed")
+        await self.name_kernels([detail])
+        holder = detail.get("holder") or {}
+        detail["tag"] = f"{detail['view']['version']}.{detail['state']}.{holder.get('pid')}"
+        return detail
+
     def reply(self, body: Any) -> None:
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")
@@ -67,18 +92,36 @@ class RunsHandler(_RunsHandler):
 class RunHandler(_RunsHandler):
     @tornado.web.authenticated
     async def get(self, run_id: str) -> None:
-        detail = self.index.detail(run_id)
-        if detail is None:
-            raise tornado.web.HTTPError(404, f"no run {run_id} of yours is listed")
-        await self.name_kernels([detail])
-        holder = detail.get("holder") or {}
-        detail["tag"] = f"{detail['view']['version']}.{detail['state']}.{holder.get('pid')}"
+        detail = await self.detail(run_id)
         since = self.get_query_argument("since", None)
         if since is not None and since == detail["tag"]:
             self.set_status(304)
             self.finish()
             return
         self.reply(detail)
+
+
+class EventsHandler(_RunsHandler):
+    @tornado.web.authenticated
+    async def get(self, run_id: str) -> None:
+        detail = await self.detail(run_id)  # a 404 before the stream starts
+        self.set_header("Content-Type", "text/event-stream")
+        self.set_header("Cache-Control", "no-store")
+        self.set_header("X-Accel-Buffering", "no")  # a proxy in front must not hold it back
+        sent, deadline = None, time.monotonic() + STREAM_LIMIT_S
+        try:
+            while True:
+                if detail["tag"] != sent:
+                    self.write(f"data: {json.dumps(detail)}\n\n")
+                    await self.flush()
+                    sent = detail["tag"]
+                if detail["state"] != "running" or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(STREAM_STEP_S)
+                detail = await self.detail(run_id)
+        except (tornado.iostream.StreamClosedError, tornado.web.HTTPError):
+            return  # the page went away, or the run's directory did
+        self.finish()
 
 
 class StopHandler(_RunsHandler):
@@ -97,5 +140,6 @@ def handlers(base_url: str, index: RunsIndex) -> list[tuple[str, type, dict[str,
     return [
         (url_path_join(where, "runs"), RunsHandler, options),
         (url_path_join(where, "runs", _ID), RunHandler, options),
+        (url_path_join(where, "runs", _ID, "events"), EventsHandler, options),
         (url_path_join(where, "runs", _ID, "stop"), StopHandler, options),
     ]
