@@ -101,6 +101,7 @@ class RunsIndex:
         self._lock = threading.Lock()
         self._watches: dict[str, RunWatch] = {}
         self._ended: dict[Path, tuple[float, RunSummary]] = {}
+        self._dir_records: dict[Path, tuple[float, dict[str, Any]]] = {}
 
     # --- finding ---------------------------------------------------------------------------------
 
@@ -132,7 +133,7 @@ class RunsIndex:
             records.append(self._entry_record(entry))
             seen.add(entry.run_dir.resolve())
         for run_dir in self.run_dirs():
-            if run_dir.resolve() not in seen:
+            if not seen or run_dir.resolve() not in seen:
                 records.append(self._dir_record(run_dir))
         return records
 
@@ -166,6 +167,21 @@ class RunsIndex:
 
     def _dir_record(self, run_dir: Path) -> dict[str, Any]:
         live = is_live(run_dir)
+        try:
+            stamp = run_dir.stat().st_mtime
+        except OSError:
+            stamp = -1.0
+        cached = self._dir_records.get(run_dir)
+        if not live and cached is not None and cached[0] == stamp:
+            return cached[1]  # an ended run's directory does not change
+        record = self._new_dir_record(run_dir, live)
+        if not live:
+            if len(self._dir_records) >= MAX_LISTED * 2:
+                self._dir_records.pop(next(iter(self._dir_records)))
+            self._dir_records[run_dir] = (stamp, record)
+        return record
+
+    def _new_dir_record(self, run_dir: Path, live: bool) -> dict[str, Any]:
         history = run_dir / detached.HISTORY_FILE
         summary = self.summary_of(None, run_dir) if history.exists() else None
         if live:
