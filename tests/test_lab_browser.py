@@ -100,6 +100,11 @@ def test_the_panel_lists_a_detached_run_shows_it_live_and_stops_it(lab, tmp_path
     from playwright.sync_api import expect, sync_playwright
 
     url, work, (base, token) = lab
+    # A kernel's ended run of 12 ranks (its logs only): its view draws a grid of squares.
+    many = work / ".nblaunch" / "runs" / "20261204-080000-000000-abcd"
+    many.mkdir(parents=True)
+    for rank in range(12):
+        (many / f"rank{rank}.log").write_text(f"rank {rank} step 0\nrank {rank} step 1\n")
     failed_id = start_detached(work, 3, 0.05, fail=True)  # from a terminal, which exits
     run_id = start_detached(work, 3000, 0.1)
     with sync_playwright() as playwright:
@@ -144,6 +149,10 @@ def test_the_panel_lists_a_detached_run_shows_it_live_and_stops_it(lab, tmp_path
             expect(view.locator(".nbl-lab-stop")).to_have_count(0)
             expect(row).to_contain_text("stopped", timeout=10_000)
             expect(view.locator(".nbl-lab-summary")).to_contain_text("finished in")
+            page.locator(f'.nbl-lab-run[data-id="{many.name}"]').click()
+            grid = page.locator(f"#nblaunch-run-{many.name} .nbl-lab-grid .nbl-lab-cell")
+            expect(grid).to_have_count(12, timeout=30_000)
+            assert "rank 11 step 1" in (grid.last.get_attribute("title") or "")
             # The view followed the run's event stream; it never fell back to asking each second.
             assert [url for url in asked if f"/runs/{run_id}/events" in url]
             assert not [url for url in asked if "?since=" in url]
