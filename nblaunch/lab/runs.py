@@ -31,6 +31,9 @@ from nblaunch.lab.summary import RunSummary, from_files
 RUN_DIR_PATTERNS = (".nblaunch/runs/*", "*/.nblaunch/runs/*", "*/*/.nblaunch/runs/*")
 # Most run directories listed from the root folder (the newest).
 MAX_LISTED = 200
+# How long a new watch waits for the host's history, so a first answer is not a blank picture
+# (the host sends it at once; this bounds a host that hangs).
+WATCH_PRIME_S = 1.0
 # An ended run's picture is kept while its files do not change; this many at most.
 MAX_CACHED = 64
 
@@ -54,6 +57,7 @@ class RunWatch:
         self.entry = entry
         self.summary = RunSummary()
         self.done = threading.Event()
+        self.primed = threading.Event()  # the host's history came (or the connection ended)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(entry.socket)
         thread = threading.Thread(target=self._read, name=f"nblaunch-lab-{entry.run_id}")
@@ -66,6 +70,7 @@ class RunWatch:
                 kind, body = message
                 if kind == wire.EVENTS:
                     self.summary.handle_many(body)
+                    self.primed.set()
                 elif kind == wire.CLOSED:
                     break
                 # wire.OUTCOME is a cloudpickle the server need not open: the registry's state
@@ -75,6 +80,7 @@ class RunWatch:
         finally:
             with contextlib.suppress(OSError):
                 self._sock.close()
+            self.primed.set()
             self.done.set()
 
     def stop(self) -> None:
@@ -232,6 +238,7 @@ class RunsIndex:
                 assert entry is not None
                 with contextlib.suppress(OSError):
                     watch = self._watches[entry.run_id] = RunWatch(entry)
+                    watch.primed.wait(WATCH_PRIME_S)
             if watch is None:
                 return self._from_disk(run_dir)
             if not watch.done.is_set():
@@ -276,7 +283,9 @@ class RunsIndex:
         entry, run_dir = found
         record = self._entry_record(entry) if entry else self._dir_record(run_dir)
         if entry is not None and entry.kind == "pool":
-            summary = from_files(run_dir)  # a pool's host serves one kernel at a time
+            # Its host serves one kernel at a time: read from its files (kept while unchanged).
+            with self._lock:
+                summary = self._from_disk(run_dir)
         else:
             summary = self.summary_of(entry, run_dir)
         return {**record, "view": summary.to_json()}
