@@ -241,13 +241,15 @@ class RunsIndex:
                     watch.primed.wait(WATCH_PRIME_S)
             if watch is None:
                 return self._from_disk(run_dir)
-            if not watch.done.is_set():
-                return watch.summary
-            if (run_dir / detached.HISTORY_FILE).exists():
+            # The host writes the history before the registry says the run ended, and sends
+            # the last events after: once it says so, the history is the whole picture.
+            ended = watch.done.is_set() or not live
+            if ended and (run_dir / detached.HISTORY_FILE).exists():
                 assert entry is not None
-                del self._watches[entry.run_id]  # ended: its history says the rest
+                del self._watches[entry.run_id]
+                watch.close()
                 return self._from_disk(run_dir)
-            return watch.summary  # a host that died: what it sent is all there is
+            return watch.summary  # live; or a host that died: what it sent is all there is
 
     def _from_disk(self, run_dir: Path) -> RunSummary:
         history = run_dir / detached.HISTORY_FILE
