@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 # The CPU build of torch, installed first so no requirement pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast test-browser test-xla screenshots lint bench docs install clean
+.PHONY: demo test test-fast test-browser test-xla screenshots lint bench docs install clean lab-build
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ $(VENV_XLA)/.installed: pyproject.toml
 
 test-xla: $(VENV_XLA)/.installed
 	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q tests/xla
+
+# The runs panel's JupyterLab extension, built into nblaunch/lab/labextension (committed, so users
+# need no Node.js). A developer step after changing labextension/: needs Node.js and npm.
+lab-build: install
+	$(PY) scripts/build_lab.py
 
 lint: install
 	$(VENV)/bin/ruff check .

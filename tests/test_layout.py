@@ -10,6 +10,7 @@ A file's folder says which process it runs in (docs/design.md, "Packages by proc
   detached pool's host runs the engine's pool headless), never the notebook package, IPython or
   ipywidgets;
 - ``nblaunch/notebook/`` is the front ends, the only package that imports IPython or ipywidgets;
+- ``nblaunch/lab/`` is the Jupyter server's extension (the runs panel): shared, engine, itself;
 - the shared modules (``errors``, ``events``, ``options``, ``tracebacks``, ``pickling``) import
   only each other.
 """
@@ -35,6 +36,9 @@ ALLOWED = {
     # A detached pool's host runs the engine's pool headless: nothing of the front ends.
     "host": {"shared", "ranks", "engine", "host"},
     "notebook": {"shared", "ranks", "engine", "cluster", "notebook"},
+    # The runs panel's server extension runs in the Jupyter server: it reads and stops runs
+    # through the engine, never through the notebook's front ends (no kernel, no IPython).
+    "lab": {"shared", "engine", "lab"},
 }
 FRONT_END_LIBRARIES = {"IPython", "ipywidgets", "ipykernel"}
 MAX_MODULE_LINES = 500

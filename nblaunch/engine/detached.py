@@ -20,6 +20,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,7 @@ RESULT_FILE = "result.pkl"  # the outcome, once the run ended
 HISTORY_FILE = "history.pkl"  # what a view of the ended run shows
 HOST_LOG = "host.log"
 SOCKET_FILE = "stream.sock"
+HOLDER_FILE = "holder.json"  # a detached pool's attached process: {"pid": ..., "since": ...}
 # Unix socket paths are limited to 108 bytes; a longer one goes in the registry.
 _MAX_SOCKET_PATH = 100
 # How long the host may take to start (it imports torch and starts a forkserver).
@@ -399,3 +401,34 @@ class AttachedRun:
             # Raising adds the caller's frames to the traceback: start from the ranks' again.
             raise self._outcome["error"].with_traceback(self._error_tb)
         return self._outcome["values"]
+
+
+def peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process at the other end of a Unix socket (as it connected), if known."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):  # AttributeError: no SO_PEERCRED off Linux
+        return None
+    return struct.unpack("3i", creds)[0] or None
+
+
+def write_holder(run_dir: Path, pid: int | None) -> None:
+    """Say which process holds a detached pool now (None: none), for the runs panel."""
+    path = run_dir / HOLDER_FILE
+    if pid is None:
+        path.unlink(missing_ok=True)
+        return
+    partial = path.with_suffix(".tmp")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        json.dump({"pid": pid, "since": time.time()}, file)
+    os.replace(partial, path)
+
+
+def holder_of(run_dir: Path) -> dict[str, Any] | None:
+    """What :func:`write_holder` last wrote, or None."""
+    try:
+        found = json.loads((run_dir / HOLDER_FILE).read_text())
+        return found if isinstance(found.get("pid"), int) else None
+    except (OSError, ValueError, AttributeError):
+        return None

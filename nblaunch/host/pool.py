@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
         print(f"pool host {os.getpid()}: the pool did not start: {exc!r}", flush=True)
         return 0
     server = PoolServer(entry.socket, pool, spec["idle_limit_s"])
+    server.on_holder = lambda pid: detached.write_holder(run_dir, pid)  # the runs panel shows it
     entry.world_size = pool.world_size
     entry.write()
     print(f"pool host {os.getpid()} serving {entry.run_id} on {server.path}", flush=True)
@@ -131,6 +133,8 @@ class PoolServer:
         self.stopping = False
         self._messages: queue.Queue[tuple[str, Any, socket.socket]] = queue.Queue()
         self._task_running = False
+        # Told the pid of each notebook that attaches (SO_PEERCRED), and None when it goes.
+        self.on_holder: Callable[[int | None], None] = lambda pid: None
         if os.path.exists(path):
             os.unlink(path)
         self.path = path
@@ -161,6 +165,7 @@ class PoolServer:
             elif kind == "gone":
                 if sock is self.client:
                     self.client = None
+                    self.on_holder(None)
             elif sock is self.client and self._answer(kind, body, sock):
                 return "closed"
 
@@ -238,6 +243,8 @@ class PoolServer:
             self.client.close()
         self.client = sock
         self.last_active = time.monotonic()
+        with contextlib.suppress(OSError):
+            self.on_holder(detached.peer_pid(sock))
         try:
             wire.send(sock, INFO, pool_info(self.pool))
         except OSError:
