@@ -205,3 +205,16 @@ def test_the_text_view_never_splits_a_group_by_the_order_lines_arrive_in(monkeyp
     time.sleep(0.002)
     view.flush()
     assert out.getvalue().endswith("[rank 0] step 2 loss 0.4\n")
+
+
+def test_the_text_view_prints_a_bars_state_once_when_its_line_ends_as_it_was_shown():
+    # Issue 44 (4): "0%| 0/30" printed as drawn, then again as the bar's last state.
+    out = io.StringIO()
+    view = TextView(out, out)
+    view.handle(run_info(world_size=2))
+    bar = "  0%|          | 0/30 [00:00<?, ?it/s]"
+    view.handle(line(0, bar, fd=2, carriage=True))
+    view.handle(line(0, bar, fd=2))  # the line ends (a warning came): the same state
+    view.handle(line(0, "[W1204 18:18:04.929622867 reducer.cpp:1529] Warning: x", fd=2))
+    view.close()
+    assert out.getvalue().count("0/30") == 1

@@ -22,8 +22,10 @@ from nblaunch.options import DEFAULT_LINE_PREFIX, format_line_prefix
 # Past this many ranks, the end of the run groups ranks by outcome.
 SUMMARY_BY_RANK = 8
 # How long a line waits for the other ranks' copies of it before it is written (with the ranks
-# that printed it so far); what comes after it waits too, so that order is kept.
+# that printed it so far): HOLD_S after the latest copy came, MAX_HOLD_S in all (ranks that
+# share a few cores start seconds apart). What comes after it waits too, so that order is kept.
 HOLD_S = 1.0
+MAX_HOLD_S = 5.0
 # A shape's whole numbers, taken out: "step 5 loss #" and "step 6 loss #" are printed by the
 # same ranks.
 _WHOLE = re.compile(r"\d+")
@@ -75,6 +77,7 @@ class TextView:
         self._last_flush = 0.0
         self._last_carriage: dict[int, float] = {}
         self._bars: set[tuple[int, int]] = set()  # (rank, fd) whose last line was a "\\r" one
+        self._bar_shown: dict[tuple[int, int], str] = {}  # the bar's state printed last
         self.world_size = 0
 
     @property
@@ -96,10 +99,13 @@ class TextView:
                 if not event["text"].strip() or now - self._last_carriage.get(rank, 0.0) < 1.0:
                     return
                 self._last_carriage[rank] = now
+                self._bar_shown[key] = event["text"]
             elif key in self._bars:
                 self._bars.discard(key)
                 if not event["text"].strip():
                     return  # the bar was cleared (tqdm's leave=False): nothing to keep
+                if self._bar_shown.pop(key, None) == event["text"]:
+                    return  # its last state is the one printed last: once is enough
             self._add([rank, event["fd"], event["text"]], event["carriage"])
         elif kind == "log":
             self._add([event["rank"], 2, f"{event['level']} {event['message']}"], False)
@@ -176,11 +182,12 @@ class TextView:
             self._pending.append(held)
         held.fold.lines.append(line)
         held.fold.rank_set.add(rank)
+        held.latest = time.monotonic()
         self._last_fold[rank] = held.number
 
     def _ready(self, now: float, force: bool) -> list[tuple[bool, str]]:
         """What to write now, in order: the waiting texts up to the first fold that still
-        waits for ranks it expects, for at most ``HOLD_S``."""
+        waits for ranks it expects (``HOLD_S`` after its latest copy, ``MAX_HOLD_S`` in all)."""
         out: list[tuple[bool, str]] = []
         everyone = frozenset(range(self.world_size))
         while self._pending:
@@ -190,7 +197,8 @@ class TextView:
                 continue
             ranks = frozenset(item.fold.rank_set)
             expected = self._printers.get(item.printers, everyone)
-            if not (force or expected <= ranks or now - item.born >= HOLD_S):
+            waited = now - item.latest >= HOLD_S or now - item.born >= MAX_HOLD_S
+            if not (force or expected <= ranks or waited):
                 break
             self._pending.popleft()
             if self._open.get(item.key) is item:
@@ -221,7 +229,7 @@ class TextView:
 class _Held:
     """A fold of the text view that waits for the other ranks' copies of its line."""
 
-    __slots__ = ("born", "fold", "key", "number", "printers")
+    __slots__ = ("born", "fold", "key", "latest", "number", "printers")
 
     def __init__(
         self,
@@ -236,6 +244,7 @@ class _Held:
         self.printers = printers
         self.number = number
         self.born = born
+        self.latest = born  # when its latest copy came
 
 
 def _summary_text(ok: bool, elapsed_s: float, ranks: dict[int, str]) -> str:
