@@ -137,6 +137,10 @@ def test_a_ranks_lines_keep_their_order_in_folds():
     # Rank 0 printed b then a; rank 1 a then b: rank 1's b may not join the fold above its a.
     lines = [[0, 1, "b"], [0, 1, "a"], [1, 1, "a"], [1, 1, "b"]]
     assert folded(lines, 4) == [([0], "b"), ([0, 1], "a"), ([1], "b")]
+    # Rank 1 printed x before rank 0 printed a line of its own, then x: x moves below it
+    # rather than split in two groups (issue 44, 3).
+    lines = [[1, 1, "x"], [2, 1, "x"], [0, 1, "only rank 0"], [0, 1, "x"], [3, 1, "x"]]
+    assert folded(lines, 4) == [([0], "only rank 0"), ([0, 1, 2, 3], "x")]
 
 
 TORCH_WARNING = (
@@ -218,3 +222,16 @@ def test_the_text_view_prints_a_bars_state_once_when_its_line_ends_as_it_was_sho
     view.handle(line(0, "[W1204 18:18:04.929622867 reducer.cpp:1529] Warning: x", fd=2))
     view.close()
     assert out.getvalue().count("0/30") == 1
+
+
+def test_the_text_view_moves_a_waiting_line_below_a_ranks_own_rather_than_split_it():
+    out = io.StringIO()
+    view = TextView(out, out)
+    view.handle(run_info(world_size=4))
+    view.handle(line(1, LOSS))
+    view.handle(line(2, LOSS))
+    view.handle(line(0, "{'loss': '5.547'}"))  # rank 0's own (Trainer's) line, then its copy
+    for rank in (0, 3):
+        view.handle(line(rank, LOSS))
+    view.close()
+    assert out.getvalue().splitlines()[-2:] == ["[rank 0] {'loss': '5.547'}", f"[rank 0-3] {LOSS}"]

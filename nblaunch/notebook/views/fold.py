@@ -20,8 +20,10 @@ one rank away, and the rank logs on disk keep every byte.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from nblaunch.notebook.views.model import FD, FOLD_FROM_RANKS, RANK, TEXT, Line
 from nblaunch.notebook.views.shapes import BAR_NUMBER, BAR_SHAPE, ID, PID, line_shape
@@ -35,13 +37,14 @@ K = 3
 ID_SHOWN = {PID: "<pid>", ID: "<id>"}
 
 
-@dataclass
+@dataclass(eq=False)  # folds are told apart by identity: two may hold alike lines
 class Fold:
     """One line as "All ranks" shows it: the alike lines of one or more ranks."""
 
     first: int  # where its first line came, among the lines folded
     lines: list[Line] = field(default_factory=list)  # one per rank, in arrival order
     rank_set: set[int] = field(default_factory=set)
+    pos: float = -1.0  # its place among the folds (see move_after); -1: its first line's
 
     @property
     def ranks(self) -> list[int]:
@@ -87,8 +90,8 @@ class Fold:
 def fold_lines(lines: Sequence[Line], world_size: int) -> list[Fold]:
     """``lines`` (in arrival order) folded: each line joins the fold of the same line of the
     other ranks (same stream, same shape, same k: see the module's rule) if that fold began at
-    most ``WINDOW_PER_RANK * world_size`` lines before and after the fold of the rank's line
-    before (a rank's lines are shown in their order); otherwise it begins one. A line's k is
+    most ``WINDOW_PER_RANK * world_size`` lines before, and if the rank's lines stay in their
+    order (see :func:`in_order`); otherwise it begins one. A line's k is
     its ``K``-th item when the view counted it as it came (every line the rank printed, kept or
     not), else it is counted among ``lines``. A run of fewer than ``FOLD_FROM_RANKS`` ranks
     folds nothing: a fold per line.
@@ -99,7 +102,7 @@ def fold_lines(lines: Sequence[Line], world_size: int) -> list[Fold]:
     folds: list[Fold] = []
     latest: dict[tuple[int, str, int], Fold] = {}
     counts: dict[tuple[int, int, str], int] = {}  # for lines that carry no k
-    last: dict[int, int] = {}  # rank -> where its latest line's fold began
+    last: dict[int, Fold] = {}  # rank -> the fold of its latest line
     for index, line in enumerate(lines):
         rank = line[RANK]
         key = fold_key(line, index, counts)
@@ -108,15 +111,37 @@ def fold_lines(lines: Sequence[Line], world_size: int) -> list[Fold]:
             fold is not None
             and rank not in fold.rank_set
             and index - fold.first <= window
-            and fold.first > last.get(rank, -1)  # a rank's lines stay in their order
+            and in_order(folds, fold, last.get(rank))
         ):
             fold.lines.append(line)
             fold.rank_set.add(rank)
         else:
-            fold = latest[key] = Fold(index, [line], {rank})
+            fold = latest[key] = Fold(index, [line], {rank}, float(index))
             folds.append(fold)
-        last[rank] = fold.first
+        last[rank] = fold
     return folds
+
+
+def in_order(items: MutableSequence[Any], fold: Fold, last: Fold | None) -> bool:
+    """Whether a rank whose latest line is in ``last`` may join ``fold`` with its lines kept in
+    their order: ``fold`` comes after ``last``, or can be moved to just after it (no fold in
+    between has a rank of ``fold``'s), which this does. ``items``: the folds (and other
+    things) in the order they are shown, each fold's ``pos`` growing along it."""
+    if last is None or fold.pos > last.pos:
+        return True
+    start = items.index(fold)
+    end = items.index(last, start)
+    between = itertools.islice(items, start + 1, end + 1)
+    if any(isinstance(item, Fold) and item.rank_set & fold.rank_set for item in between):
+        return False  # moved, it would put a line of one of its ranks out of order
+    del items[start]
+    items.insert(end, fold)
+    after = next(
+        (item.pos for item in itertools.islice(items, end + 1, None) if isinstance(item, Fold)),
+        last.pos + 1,
+    )
+    fold.pos = (last.pos + after) / 2
+    return True
 
 
 def fold_key(

@@ -14,7 +14,7 @@ import time
 from typing import TextIO
 
 from nblaunch.events import Event, RunState, checking_mode
-from nblaunch.notebook.views.fold import Fold, rank_ranges
+from nblaunch.notebook.views.fold import Fold, in_order, rank_ranges
 from nblaunch.notebook.views.model import FOLD_FROM_RANKS, Line
 from nblaunch.notebook.views.shapes import SHAPES_PER_RANK, ShapeCounter, line_shape
 from nblaunch.options import DEFAULT_LINE_PREFIX, format_line_prefix
@@ -69,7 +69,7 @@ class TextView:
         self._pending: collections.deque[_Held | tuple[bool, str]] = collections.deque()
         self._open: dict[tuple[int, str, int], _Held] = {}  # folds that still wait, by key
         self._shapes = ShapeCounter()
-        self._last_fold: dict[int, int] = {}  # rank -> the number of its latest line's fold
+        self._last_fold: dict[int, Fold] = {}  # rank -> the fold of its latest line
         self._folds_made = 0
         # Which ranks print lines of a shape (whole numbers out), where not all of them do.
         self._printers: dict[tuple[int, str], frozenset[int]] = {}
@@ -168,22 +168,18 @@ class TextView:
         held = self._open.get(key)
         if (
             held is None
-            or rank in held.fold.rank_set
-            or held.number < self._last_fold.get(rank, -1)  # a rank's lines stay in order
+            or rank in held.rank_set
+            or not in_order(self._pending, held, self._last_fold.get(rank))
         ):
             self._folds_made += 1
             held = self._open[key] = _Held(
-                Fold(0, [], set()),
-                key,
-                (fd, _WHOLE.sub("#", shape)),
-                self._folds_made,
-                time.monotonic(),
+                key, (fd, _WHOLE.sub("#", shape)), float(self._folds_made), time.monotonic()
             )
             self._pending.append(held)
-        held.fold.lines.append(line)
-        held.fold.rank_set.add(rank)
+        held.lines.append(line)
+        held.rank_set.add(rank)
         held.latest = time.monotonic()
-        self._last_fold[rank] = held.number
+        self._last_fold[rank] = held
 
     def _ready(self, now: float, force: bool) -> list[tuple[bool, str]]:
         """What to write now, in order: the waiting texts up to the first fold that still
@@ -195,7 +191,7 @@ class TextView:
             if isinstance(item, tuple):
                 out.append(self._pending.popleft())
                 continue
-            ranks = frozenset(item.fold.rank_set)
+            ranks = frozenset(item.rank_set)
             expected = self._printers.get(item.printers, everyone)
             waited = now - item.latest >= HOLD_S or now - item.born >= MAX_HOLD_S
             if not (force or expected <= ranks or waited):
@@ -204,8 +200,7 @@ class TextView:
             if self._open.get(item.key) is item:
                 del self._open[item.key]
             self._learn(item.printers, ranks, everyone)
-            fold = item.fold
-            out.append((fold.fd == 2, f"{self._prefix_of(fold.ranks)}{fold.text()}\n"))
+            out.append((item.fd == 2, f"{self._prefix_of(item.ranks)}{item.text()}\n"))
         return out
 
     def _learn(self, printers: tuple[int, str], ranks: frozenset[int], everyone: frozenset[int]):
@@ -226,23 +221,15 @@ class TextView:
         return format_line_prefix(self._line_prefix, rank_ranges(ranks), local)
 
 
-class _Held:
+class _Held(Fold):
     """A fold of the text view that waits for the other ranks' copies of its line."""
 
-    __slots__ = ("born", "fold", "key", "latest", "number", "printers")
-
     def __init__(
-        self,
-        fold: Fold,
-        key: tuple[int, str, int],
-        printers: tuple[int, str],
-        number: int,
-        born: float,
+        self, key: tuple[int, str, int], printers: tuple[int, str], pos: float, born: float
     ) -> None:
-        self.fold = fold
+        super().__init__(0, [], set(), pos)
         self.key = key
         self.printers = printers
-        self.number = number
         self.born = born
         self.latest = born  # when its latest copy came
 
