@@ -34,6 +34,10 @@ from nblaunch.errors import DistributedHangError, RankFailedError
 from nblaunch.events import Heartbeat, RunState
 from nblaunch.ranks import process_groups
 
+# The input of debug mode's own all_gather (ranks.debug_mode.RECORD_BYTES; a test keeps them
+# equal): a rank that waits in it waits in the check before the user's call.
+RECORD_BYTES = 2048
+
 # Parent side: a rank returned while another waits in a collective. With sequence numbers the
 # hang is certain and is reported this long after the return; without, the waiting rank must
 # have been still this long after it.
@@ -98,7 +102,11 @@ class _Beat:
                 desc = (in_flight or {}).get("group_desc") or group
                 desc = group if desc == "undefined" else desc  # new_group() without a name
                 number += f" of subgroup {desc}"
-            if in_flight and in_flight.get("shapes"):
+            if in_flight and in_flight.get("shapes") == [[RECORD_BYTES]]:
+                # debug mode's own all_gather of records: its buffer is not the user's tensor
+                if not str(event["collective"]).startswith("debug mode's check"):
+                    number += ", debug mode's check before it"
+            elif in_flight and in_flight.get("shapes"):
                 number += f", shapes {in_flight['shapes']}"
             number = f" ({number})" if number else ""
             return f"in {event['collective']}{number} at {where}"
@@ -277,12 +285,25 @@ class HangMonitor:
             f"rank {first} of {n} {left} while {_rank_words(waiting)} "
             f"{'waits' if len(waiting) == 1 else 'wait'} in a collective it never called"
         )
+        # What the counts show, then what they cannot: a step skipped on one rank and a rank
+        # that left the loop early both leave it with fewer collectives (see docs/hangs.md).
+        group = self.beats[waiting[0]].waiting_for()[0]
+        issued = self.beats[waiting[0]].issued(group)
+        final = self._final_issued(first, group)
+        fewer = ""
+        if issued is not None and final is not None and issued > final:
+            fewer = (
+                f" Rank {first} issued {issued - final} fewer collective"
+                f"{'s' if issued - final != 1 else ''} than rank {waiting[0]} had (on the same "
+                "process group)."
+            )
         message = (
-            f"{headline}: {done_text}; {wait_text}.\n"
-            "Ranks left the loop at different steps (early stopping, a `break`, or uneven data "
-            "on one rank): every rank must call the same collectives. Decide together: call "
-            "set_trigger() on the rank that wants to stop and `if check_trigger(): break` on "
-            "every rank."
+            f"{headline}: {done_text}; {wait_text}.{fewer}\n"
+            "Every rank must issue the same collectives in the same order; the counts show "
+            "where the ranks parted, not why: a collective skipped on one rank (with DDP, a "
+            "`backward()` under an `if`), a rank that left the loop early (early stopping, a "
+            "`break`), or uneven data. To stop early together, call set_trigger() on the rank "
+            "that wants to stop and `if check_trigger(): break` on every rank."
         )
         if any(str(self.beats[r].event["collective"]).startswith("DDP") for r in waiting):
             message += (
@@ -290,7 +311,10 @@ class HangMonitor:
                 "batches (DistributedSampler(drop_last=True)) or wrap the loop in DDP's "
                 "`with model.join():`."
             )
-        return self._root(run, first, headline, message, now, exited=first in self.exited)
+        root = self._root(run, first, headline, message, now, exited=first in self.exited)
+        # debug=True checks each call's shapes; the counts already say the ranks parted.
+        root.exception.debug_adds_nothing = True  # type: ignore[union-attr]
+        return root
 
     def _proven(self, run: RunContext, now: float) -> RootCause | None:
         """Ranks wait on one another in calls none can complete (see :mod:`deadlock`)."""
