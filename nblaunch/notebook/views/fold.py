@@ -9,8 +9,9 @@ The rule, so that folding never shows a line no rank printed:
   logging's timestamps), process and thread ids, and the printing rank's own number where the
   line names it as a rank (``rank 5``, ``cuda:5``). Whole numbers must match: ``error count
   5`` printed by rank 5 does not fold with ``error count 3`` printed by rank 3.
-- A fold only joins the same line of each rank's output: the k-th line of that shape each rank
-  printed (on the same stream). Rank 2's second ``loss`` line never joins rank 4's first.
+- A fold only joins the same line of each rank's output: the k-th line alike but for its
+  numbers that each rank printed (on the same stream). Rank 2's second ``loss`` line never
+  joins rank 4's first.
 - Each slot that differs is shown as its range, ``low … high`` (a process or thread id as
   ``<pid>`` or ``<id>``); a tqdm bar's state may differ in every number.
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nblaunch.notebook.views.model import FD, FOLD_FROM_RANKS, RANK, TEXT, Line
-from nblaunch.notebook.views.shapes import BAR_NUMBER, BAR_SHAPE, ID, PID, line_shape
+from nblaunch.notebook.views.shapes import BAR_NUMBER, BAR_SHAPE, ID, NO_DIGITS, PID, line_shape
 
 # How far apart (in lines of "All ranks", per rank of the run) the copies of a line may come:
 # a copy that comes later is shown where it comes, not far up among lines already read.
@@ -156,7 +157,7 @@ def fold_key(
     shape = line_shape(text, rank)[0]
     if len(line) > K:
         return (fd, shape, line[K])
-    count_key = (rank, fd, shape)
+    count_key = (rank, fd, text.translate(NO_DIGITS))  # as ShapeCounter counts
     k = counts[count_key] = counts.get(count_key, -1) + 1
     return (fd, shape, k)
 
