@@ -141,6 +141,10 @@ def test_a_ranks_lines_keep_their_order_in_folds():
     # rather than split in two groups (issue 44, 3).
     lines = [[1, 1, "x"], [2, 1, "x"], [0, 1, "only rank 0"], [0, 1, "x"], [3, 1, "x"]]
     assert folded(lines, 4) == [([0], "only rank 0"), ([0, 1, 2, 3], "x")]
+    # Ranks 1 and 2 went on to y before rank 0's own line: x and y move below it together.
+    lines = [[1, 1, "x"], [1, 1, "y"], [2, 1, "x"], [0, 1, "only rank 0"], [2, 1, "y"]]
+    lines += [[0, 1, "x"], [0, 1, "y"], [3, 1, "x"], [3, 1, "y"]]
+    assert folded(lines, 4) == [([0], "only rank 0"), ([0, 1, 2, 3], "x"), ([0, 1, 2, 3], "y")]
 
 
 TORCH_WARNING = (

@@ -125,23 +125,34 @@ def fold_lines(lines: Sequence[Line], world_size: int) -> list[Fold]:
 
 def in_order(items: MutableSequence[Any], fold: Fold, last: Fold | None) -> bool:
     """Whether a rank whose latest line is in ``last`` may join ``fold`` with its lines kept in
-    their order: ``fold`` comes after ``last``, or can be moved to just after it (no fold in
-    between has a rank of ``fold``'s), which this does. ``items``: the folds (and other
-    things) in the order they are shown, each fold's ``pos`` growing along it."""
+    their order: ``fold`` comes after ``last``, or can be moved to just after it, with the
+    folds between them that must stay after it (they share a rank with it, or with one of
+    those), which this does. It cannot when one of the folds to move holds a line of the
+    joining rank, or ``last`` a line of their ranks. ``items``: the folds (and other things)
+    in the order they are shown, each fold's ``pos`` growing along it."""
     if last is None or fold.pos > last.pos:
         return True
     start = items.index(fold)
     end = items.index(last, start)
-    between = itertools.islice(items, start + 1, end + 1)
-    if any(isinstance(item, Fold) and item.rank_set & fold.rank_set for item in between):
-        return False  # moved, it would put a line of one of its ranks out of order
-    del items[start]
-    items.insert(end, fold)
+    moving = [fold]
+    ranks = set(fold.rank_set)
+    for item in itertools.islice(items, start + 1, end):
+        if isinstance(item, Fold) and item.rank_set & ranks:
+            moving.append(item)
+            ranks |= item.rank_set
+    if ranks & last.rank_set:  # (the joining rank is in last)
+        return False
+    for item in moving:
+        items.remove(item)
+    at = items.index(last, start - 1 if start else 0) + 1
     after = next(
-        (item.pos for item in itertools.islice(items, end + 1, None) if isinstance(item, Fold)),
+        (item.pos for item in itertools.islice(items, at, None) if isinstance(item, Fold)),
         last.pos + 1,
     )
-    fold.pos = (last.pos + after) / 2
+    step = (after - last.pos) / (len(moving) + 1)
+    for offset, item in enumerate(moving, 1):
+        items.insert(at + offset - 1, item)
+        item.pos = last.pos + step * offset
     return True
 
 
