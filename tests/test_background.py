@@ -4,12 +4,16 @@ and real ranks going on while the caller does other things."""
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
 import pytest
-from conftest import rank_children, wait_until
+from conftest import ROOT, rank_children, wait_until
 from scripted import Print, Script, raises, returns
 
 import nblaunch
@@ -196,3 +200,80 @@ def test_what_a_background_run_cannot_do_is_refused_before_anything_starts():
     with pytest.raises(LaunchError, match="this machine only"):
         nblaunch.notebook_launcher(steps, (1, 0.0), 2, detach=True, num_nodes=2)
     assert not rank_children()
+
+
+# --- a script that ends while its background run goes on (issue 44, 1) ---------------------------
+
+SCRIPT = """
+import sys, time
+from nblaunch import notebook_launcher
+
+def train(lines, sleep_s):
+    import time
+    from nblaunch import rank
+    for i in range(lines):
+        print(f"rank {rank()} line {i}")
+    time.sleep(sleep_s)  # still going when the script's last line has run
+    print(f"rank {rank()} last line", flush=True)
+    return rank()
+
+h = notebook_launcher(train, args=(int(sys.argv[1]), float(sys.argv[2])), num_processes=2,
+                      block=False, display="text")
+print("script ends", flush=True)
+"""
+
+
+def _script(tmp_path, *args: str) -> subprocess.Popen:
+    path = tmp_path / "script.py"
+    path.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NBLAUNCH_RUN_DIR": str(tmp_path / "runs")}
+    return subprocess.Popen(
+        [sys.executable, str(path), *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_a_scripts_exit_waits_for_its_background_run_and_shows_every_line(tmp_path):
+    script = _script(tmp_path, "2000", "1.5")
+    out, _ = script.communicate(timeout=120)
+    assert script.returncode == 0, out
+    lines = out.splitlines()
+    note = next(i for i, text in enumerate(lines) if "waiting for background run" in text)
+    assert "Ctrl-C stops it" in lines[note]
+    assert lines.index("script ends") < note
+    for rank in (0, 1):
+        printed = [text for text in lines if text.startswith(f"[rank {rank}] rank {rank} line ")]
+        assert len(printed) == 2000
+        assert f"[rank {rank}] rank {rank} last line" in lines
+    end = lines.index(next(text for text in lines if text.startswith("nblaunch: finished in")))
+    assert lines[end + 1 :] == ["  rank 0: returned", "  rank 1: returned"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_script_waits_for_its_run_stops_it_and_says_so(tmp_path):
+    script = _script(tmp_path, "1", "600")
+    try:
+
+        def printed() -> bool:
+            logs = list((tmp_path / "runs").glob("*/rank1.log"))
+            return bool(logs) and "line 0" in logs[0].read_text()
+
+        assert wait_until(printed, 60)
+    except BaseException:
+        script.kill()
+        raise
+    time.sleep(0.5)  # in the exit's wait by now
+    began = time.monotonic()
+    script.send_signal(signal.SIGINT)
+    out, _ = script.communicate(timeout=60)
+    assert time.monotonic() - began < 30
+    assert "waiting for background run" in out
+    assert "Python exits: stopping background run" in out
+    assert out.splitlines()[-1].startswith("nblaunch: background run "), out
+    assert " stopped; what the ranks wrote is in " in out.splitlines()[-1]
+    assert "last line" not in out

@@ -94,6 +94,21 @@ def test_the_cli_lists_and_stops_a_detached_run(registry):
     assert "is not running (stopped)" in again.stdout
 
 
+def test_stop_returns_with_the_state_stopped_and_runs_lists_the_newest_first(registry):
+    # Issue 44 (6): after attach(id).stop() the state read "running"; after attach(older), runs()
+    # listed the older run first, and %dist wait / %dist view took it.
+    older = nblaunch.notebook_launcher(steps, (3000, 0.1), 2, detach=True, display="none")
+    newer = nblaunch.notebook_launcher(steps, (3000, 0.1), 2, detach=True, display="none")
+    attached = nblaunch.attach(older.id)
+    assert [h.id for h in nblaunch.runs()][:2] == [newer.id, older.id]
+    attached.stop()
+    assert attached.state == "stopped"
+    newer.stop()
+    assert newer.state == "stopped"
+    for handle in (older, newer):
+        assert wait_until(lambda h=handle: not processes_of(detached.find(h.id).pid), 10)
+
+
 # --- in real kernels -----------------------------------------------------------------------------
 
 STEPS_CELL = """

@@ -91,6 +91,44 @@ def test_a_rank_that_left_a_ddp_loop_is_reported_in_seconds(function, returned_a
     assert_nothing_left()
 
 
+def ddp_skipped_step():
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(30):
+        loss = model(torch.randn(8, 4)).sum()
+        if dist.get_rank() == 1 and step == 5:
+            continue  # rank 1 skips this step's backward() and step(), and goes on
+        loss.backward()  # rank 0 waits here at the end
+        optimizer.step()
+        optimizer.zero_grad()
+    return "all 30 steps"
+
+
+@pytest.mark.parametrize("debug", [None, True], ids=["checks", "debug"])
+def test_a_skipped_step_is_reported_as_observed_without_a_guess_or_debug_mode(debug):
+    # Issue 44 (5): the hint said "Ranks left the loop at different steps" while both ranks ran
+    # every iteration, suggested debug=True, which says the same, and under debug=True named
+    # debug mode's own buffer ("shapes [[2048]]") instead of the gradient all-reduce.
+    with pytest.raises(DistributedHangError) as info:
+        launch(ddp_skipped_step, debug=debug)
+    text = shown(str(info.value))
+    assert text.startswith("rank 1 of 2 returned while rank 0 waits in a collective"), text
+    assert re.search(r"Rank 1 issued \d+ fewer collectives? than rank 0", text), text
+    assert "the counts show where the ranks parted, not why" in text
+    assert "a collective skipped on one rank" in text and "left the loop early" in text
+    assert "Ranks left the loop at different steps" not in text
+    assert "debug=True" not in "\n".join(getattr(info.value, "__notes__", []))
+    assert "[[2048]]" not in text  # (debug mode's buffer)
+    first = text.split("Stacks")[0]
+    check = "debug mode's check before DDP's backward all-reduce" if debug else "DDP gradient"
+    assert f"rank 0 waits in {check}" in first, first
+    assert_nothing_left()
+
+
 def test_a_hang_in_a_function_from_site_packages_names_its_frame_not_the_bootstrap(tmp_path):
     package_dir = tmp_path / "site-packages"
     package_dir.mkdir()
@@ -284,3 +322,10 @@ def test_in_a_kernel_a_rank_that_left_a_ddp_loop_fails_the_cell_with_its_line(ke
     ), cell["message"]
     left = kernel.run(RANKS_LEFT_CODE)
     assert left["out"].strip() == "[]", left
+
+
+def test_the_hang_report_knows_debug_modes_buffer():
+    from nblaunch.engine import beats
+    from nblaunch.ranks import debug_mode
+
+    assert beats.RECORD_BYTES == debug_mode.RECORD_BYTES

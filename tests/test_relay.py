@@ -216,6 +216,21 @@ def test_text_after_a_drawn_bar_on_the_same_stream_is_a_line_of_its_own(pipes):
     assert b"\r  0%| 0/6\n[transformers] warning\n" in (tmp_path / "rank0.log").read_bytes()
 
 
+def test_a_warning_right_after_a_whole_tqdm_state_is_a_line_of_its_own(pipes):
+    # Issue 44 (4): DDP's C++ warning came on the bar's stderr within 20 ms of tqdm's first
+    # draw; it was glued to the bar, and the text view showed "0/30" twice.
+    relay, recorder, writers, _ = pipes
+    write(writers, 0, b"\r  0%|          | 0/30 [00:00<?, ?it/s]", fd=2)
+    write(writers, 0, b"[W1204 18:18:04.929622867 reducer.cpp:1529] Warning: x\n", fd=2)
+    relay.poll(0.05)  # whether the relay reads in between or not
+    pump(relay)
+    finished = [text for text, carriage in recorder.lines(0) if not carriage]
+    assert finished == [
+        "  0%|          | 0/30 [00:00<?, ?it/s]",
+        "[W1204 18:18:04.929622867 reducer.cpp:1529] Warning: x",
+    ]
+
+
 def test_the_rest_of_the_same_write_continues_the_bar(pipes):
     relay, recorder, writers, _ = pipes
     write(writers, 0, b"\rdone")  # print("\rdone", 10): two writes, microseconds apart

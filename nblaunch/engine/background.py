@@ -5,11 +5,19 @@ cell's error), then hands the :class:`~nblaunch.engine.run.Run` to a thread and 
 writes to an :class:`~nblaunch.engine.history.EventHub`, so any number of views, in any cell,
 can watch it, late ones included. A detached run (:mod:`nblaunch.engine.detached`) offers the
 same :class:`RunControl` from another process.
+
+The thread is a daemon, so that a kernel can always exit; in its place Python's exit (an
+``atexit`` hook) finishes every background run still going: in a script it waits for the run to
+end, so that every line and the run's end are shown (Ctrl-C stops it), and in a kernel it stops
+the run; either way it says so on stderr.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import contextvars
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -24,6 +32,10 @@ from nblaunch.events import EventSink
 
 # What ``RunControl.state`` says.
 RUNNING, DONE, FAILED, STOPPED, LOST = "running", "done", "failed", "stopped", "lost"
+# What Python's exit does with a background run still going: wait for it, or stop it.
+WAIT, STOP = "wait", "stop"
+# How long Python's exit waits for a stopped run to end (the ranks' grace period and more).
+STOPPED_JOIN_S = 30.0
 
 
 class RunControl(Protocol):
@@ -78,6 +90,9 @@ class BackgroundTask:
         Asks the work to stop, from any thread.
     after
         Called on the thread once the work ended (e.g. have spare ranks ready).
+    at_exit
+        What Python's exit does while the work goes on: ``"wait"`` for it, or ``"stop"`` it;
+        default: stop in a Jupyter kernel, wait elsewhere (a script); see the module's doc.
     """
 
     def __init__(
@@ -88,8 +103,10 @@ class BackgroundTask:
         work: Callable[[], list[Any]],
         stop: Callable[[], None],
         after: Callable[[], None] | None = None,
+        at_exit: str | None = None,
     ) -> None:
         self.hub = hub
+        self.at_exit = at_exit  # what Python's exit does if the work goes on
         self.run_id = run_id
         self.run_dir = run_dir
         self._work = work
@@ -101,6 +118,7 @@ class BackgroundTask:
         # The error's own traceback (the ranks' frames): each raise starts from it again.
         self._error_tb: types.TracebackType | None = None
         self._thread: threading.Thread | None = None
+        self._exiting = False
 
     def start(self) -> None:
         """Go on in a thread, in a copy of the caller's context: ipykernel sends what the
@@ -109,7 +127,35 @@ class BackgroundTask:
         self._thread = threading.Thread(
             target=context.run, args=(self._main,), name=f"nblaunch-{self.run_id}", daemon=True
         )
+        _going_on(self)
         self._thread.start()
+
+    def finish_at_exit(self) -> None:
+        """Python exits: wait for the work to end (``at_exit`` WAIT; Ctrl-C stops it) or stop
+        it (STOP), and say so. The work's thread shows the run's end before it is done (its
+        ``_done``, not ``Thread.join``, is waited on: a join that Ctrl-C broke may later say a
+        living thread has ended)."""
+        if self._thread is None:
+            return
+        self._exiting = True  # nothing to get ready for (spare ranks) after the work
+        if self._done.is_set():
+            return
+        if (self.at_exit or (STOP if _in_kernel() else WAIT)) == WAIT:
+            _say(
+                f"nblaunch: waiting for background run {self.run_id} to end before Python "
+                "exits (Ctrl-C stops it; h.result() in the script waits without this note)"
+            )
+            try:
+                while not self._done.wait(0.5):  # a timed wait: Ctrl-C is noticed at once
+                    pass
+                return
+            except KeyboardInterrupt:
+                pass
+        _say(f"nblaunch: Python exits: stopping background run {self.run_id}")
+        self.stop()
+        self._done.wait(STOPPED_JOIN_S)
+        where = f"; what the ranks wrote is in {self.run_dir}" if self.run_dir else ""
+        _say(f"nblaunch: background run {self.run_id} {self.state}{where}")
 
     def _main(self) -> None:
         try:
@@ -121,7 +167,8 @@ class BackgroundTask:
             self._error_tb = tracebacks.without_launcher_frames(exc.__traceback__)
         finally:
             self._done.set()
-            if self._after is not None:
+            _going.discard(self)
+            if self._after is not None and not self._exiting:
                 self._after()
 
     @property
@@ -148,6 +195,38 @@ class BackgroundTask:
         return self._values
 
 
+# The background work of this process still going, finished by Python's exit.
+_going: set[BackgroundTask] = set()
+_hooked = False
+
+
+def _going_on(task: BackgroundTask) -> None:
+    """``task`` starts: have Python's exit finish it (see the module's doc)."""
+    global _hooked
+    _going.add(task)
+    if not _hooked:
+        atexit.register(_finish_all)
+        _hooked = True
+
+
+def _finish_all() -> None:
+    for task in list(_going):
+        task.finish_at_exit()
+
+
+def _in_kernel() -> bool:
+    """True inside a Jupyter kernel (as ``views.choose.in_notebook_kernel``, which the engine
+    may not import)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):  # stderr already closed
+        print(text, file=sys.stderr, flush=True)
+
+
 class BackgroundRun(BackgroundTask):
     """A one-shot :class:`Run` going on in a thread of this process.
 
@@ -159,9 +238,18 @@ class BackgroundRun(BackgroundTask):
         What each rank runs.
     after
         Called on the run's thread once it ended.
+    at_exit
+        What Python's exit does while the run goes on: ``"wait"`` or ``"stop"`` (default:
+        stop in a Jupyter kernel, wait elsewhere).
     """
 
-    def __init__(self, run: Run, payload: bytes, after: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        run: Run,
+        payload: bytes,
+        after: Callable[[], None] | None = None,
+        at_exit: str | None = None,
+    ) -> None:
         if not isinstance(run.view, EventHub):
             raise TypeError("a background run writes to an EventHub")
         self.run = run
@@ -172,6 +260,7 @@ class BackgroundRun(BackgroundTask):
             lambda: run.execute(payload, started=True),
             run.request_stop,
             after,
+            at_exit,
         )
 
     def start(self) -> None:

@@ -223,20 +223,20 @@ class HangMonitor:
             f"rank {first} of {n} {left} while {_rank_words(waiting)} "
             f"{'waits' if len(waiting) == 1 else 'wait'} in a collective it never called"
         )
-        message = (
-            f"{headline}: {done_text}; {wait_text}.\n"
-            "Ranks left the loop at different steps (early stopping, a `break`, or uneven data "
-            "on one rank): every rank must call the same collectives. Decide together: call "
-            "set_trigger() on the rank that wants to stop and `if check_trigger(): break` on "
-            "every rank."
-        )
+        beat = self.beats[waiting[0]]
+        group = beat.waiting_for()[0]
+        fewer = _fewer(first, waiting[0], self._final_issued(first, group), beat.issued(group))
+        message = f"{headline}: {done_text}; {wait_text}.{fewer}\n{PARTED}"
         if any(str(self.beats[r].event["collective"]).startswith("DDP") for r in waiting):
             message += (
                 " For data that does not split evenly, give every rank the same number of "
                 "batches (DistributedSampler(drop_last=True)) or wrap the loop in DDP's "
                 "`with model.join():`."
             )
-        return self._root(run, first, headline, message, now, exited=first in self.exited)
+        root = self._root(run, first, headline, message, now, exited=first in self.exited)
+        # debug=True checks each call's shapes; the counts already say the ranks parted.
+        root.exception.debug_adds_nothing = True  # type: ignore[union-attr]
+        return root
 
     def _proven(self, run: RunContext, now: float) -> RootCause | None:
         """Ranks wait on one another in calls none can complete (see :mod:`deadlock`)."""
@@ -405,6 +405,28 @@ def _ranks(ranks: list[int]) -> str:
 
 def _rank_words(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
+
+
+# What the counts of a rank that returned early cannot tell: a step skipped on one rank and a
+# rank that left the loop early both leave it with fewer collectives (see docs/hangs.md).
+PARTED = (
+    "Every rank must issue the same collectives in the same order; the counts show where the "
+    "ranks parted, not why: a collective skipped on one rank (with DDP, a `backward()` under an "
+    "`if`), a rank that left the loop early (early stopping, a `break`), or uneven data. To stop "
+    "early together, call set_trigger() on the rank that wants to stop and "
+    "`if check_trigger(): break` on every rank."
+)
+
+
+def _fewer(returned: int, waiting: int, final: int | None, issued: int | None) -> str:
+    """How many fewer collectives the rank that returned issued, when the counts say."""
+    if final is None or issued is None or issued <= final:
+        return ""
+    fewer = issued - final
+    return (
+        f" Rank {returned} issued {fewer} fewer collective{'s' if fewer != 1 else ''} than "
+        f"rank {waiting} had (on the same process group)."
+    )
 
 
 def _count(seq: int | None) -> str:

@@ -8,8 +8,8 @@ A progress line is the text after a rank's last ``\\r``. It is shown as soon as 
 line, where the rank's next output begins: the ``\\n`` that tqdm writes when it closes, output on
 the rank's other stream, a log record, or, on the same stream, text that arrives
 ``PROGRESS_END_S`` or more after the bar was drawn (Transformers' logger writes to stderr, like
-tqdm). Without that, a bar's last state and the next line would be glued together, as they
-are in a terminal.
+tqdm), or at once after a whole tqdm state (``WHOLE_BAR``). Without that, a bar's last state
+and the next line would be glued together, as they are in a terminal.
 
 Every byte goes on to the rank's log file too (:class:`nblaunch.engine.run_files.RunFiles`),
 with a line break where a progress line ends as above.
@@ -18,6 +18,7 @@ with a line break where a progress line ends as above.
 from __future__ import annotations
 
 import collections
+import re
 import time
 
 from nblaunch.engine.run_files import RunFiles
@@ -30,6 +31,12 @@ TAIL_LINES = 20
 # line. Sooner, it is taken as the rest of the bar's own write: ``print("\\rstep", i)`` reaches
 # the pipe in two writes microseconds apart, tqdm's redraws come at least 0.1 s apart.
 PROGRESS_END_S = 0.02
+# A tqdm bar's whole state, "  3%|▎         | 1/30 [00:01<00:29,  1.00it/s]": tqdm writes it in one
+# write, so text that follows it on its stream, however soon, is not the rest of it (torch's
+# C++ warnings write to the same stderr as the bar).
+WHOLE_BAR = re.compile(rb"\d+%\|[^|]*\|.*\]\s*$")
+# The same, with text glued after it (both came in one read): the bar's state, then the text.
+BAR_THEN_TEXT = re.compile(r"^([^\n]*?\d+%\|[^|]*\|[^\]]*\])(\S.*)$")
 
 
 class LineSplitter:
@@ -91,7 +98,7 @@ class LineSplitter:
             drawn = now
         elif (
             drawn is not None
-            and now - drawn >= PROGRESS_END_S
+            and (now - drawn >= PROGRESS_END_S or WHOLE_BAR.search(self._partial.get(key, b"")))
             and data[:1] not in (b"\r", b"\n")
             and not self._partial.get(key, b"").endswith(b"\r")
         ):
@@ -205,6 +212,8 @@ class LineSplitter:
             self._drawing.add((rank, fd))
         else:
             self._drawing.discard((rank, fd))
+            if any("%|" in text for text in texts):
+                texts = _unglue_bars(texts)
             self.tails[rank].extend(texts[-TAIL_LINES:])
         events: list[Stream] = [
             {"kind": "stream", "rank": rank, "fd": fd, "text": text, "carriage": carriage}
@@ -217,6 +226,15 @@ class LineSplitter:
         handle = self.sink.handle
         for event in events:
             handle(event)
+
+
+def _unglue_bars(texts: list[str]) -> list[str]:
+    """A tqdm state with text glued after it is two lines (see ``WHOLE_BAR``)."""
+    out = []
+    for text in texts:
+        glued = BAR_THEN_TEXT.match(text) if "%|" in text else None
+        out += glued.groups() if glued else [text]
+    return out
 
 
 def _decode(raw: bytes) -> str:

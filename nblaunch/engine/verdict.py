@@ -268,7 +268,7 @@ def same_failure_everywhere(
 
 def debug_hint(root: RootCause, exc: BaseException, debug: bool) -> str:
     """Suggest debug mode when a run without it failed or stalled inside a collective."""
-    if debug:
+    if debug or getattr(exc, "debug_adds_nothing", False):  # (a rank returned early: hang.py)
         return ""
     text = f"{root.traceback}\n{root.message}\n{errors.safe_str(exc)}"
     if root.cause is not Cause.HANG and not failed_in_collective(text):

@@ -32,6 +32,8 @@ _kernel_runs: list[RunHandle] = []
 MAX_REMEMBERED = 100
 # How often a wait looks up: an interrupt is seen within this (the run goes on).
 _WAIT_STEP_S = 0.1
+# How long stop() waits for the run to end (the ranks' grace period, then SIGKILL, and more).
+STOP_WAIT_S = 30.0
 
 
 class RunHandle:
@@ -115,11 +117,13 @@ class RunHandle:
         # drop the rank's chained exceptions, which a blocking launch shows).
         raise self.localize(error) if self.localize else error
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_WAIT_S) -> None:
         """Stop every rank (what they wrote stays in the run directory); ``result()`` then
         raises ``RunStoppedError``. The kernel's interrupt button does not stop a run that does
-        not hold its cell: this does, and so does the view's Stop button."""
+        not hold its cell: this does, and so does the view's Stop button. Returns once the run
+        has ended, so that ``state`` says how, or after ``timeout`` s (it may still be ending)."""
         self._control.stop()
+        self._control.wait(timeout)
 
     def view(self, display: str = "auto") -> None:
         """Show the run's view in this cell: what it kept so far, then live until the run ends."""
@@ -128,7 +132,7 @@ class RunHandle:
 
         shown = choose.choose_view(display, defer="never", **self.views)
         if isinstance(shown, LaunchView):
-            shown.on_stop = self.stop
+            shown.on_stop = self._control.stop  # the button's thread does not wait
         self._control.watch(shown)
 
     def watch(self, sink: EventSink) -> None:
@@ -199,7 +203,8 @@ class RunList(list):
 def runs() -> RunList:
     """This kernel's background and detached runs, then the other detached runs of this machine
     (newest first); each is a :class:`RunHandle` (``.view()``, ``.result()``, ``.stop()``)."""
-    found = RunList(reversed(_kernel_runs))
+    # By when each started: a run attached later (an older detached one) is not the newest.
+    found = RunList(sorted(_kernel_runs, key=lambda handle: handle.started_at, reverse=True))
     known = {handle.id for handle in found}
     for entry in detached.entries():
         if entry.kind == "run" and entry.run_id not in known:

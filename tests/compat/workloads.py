@@ -106,11 +106,13 @@ def ddp_tutorial(steps: int = 5, seed: int = 0) -> dict[str, Any]:
 
 
 def transformers_trainer(
-    output_dir: str, steps: int = 4, seed: int = 0, metrics: bool = False
+    output_dir: str, steps: int = 4, seed: int = 0, metrics: bool = False, prints: bool = False
 ) -> dict[str, Any]:
     """A 1-layer GPT-2 trained by ``Trainer`` with default ``TrainingArguments`` (but a few
     that keep it small and offline: steps, batch size, no reporting, no checkpoints).
-    ``metrics``: with nblaunch's callback, as a user who wants the charts would add it."""
+    ``metrics``: with nblaunch's callback, as a user who wants the charts would add it.
+    ``prints``: with a callback that prints on every rank, as users write them: the logs,
+    then, at the end, the rank's number and its shard's."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
@@ -143,6 +145,8 @@ def transformers_trainer(
         from nblaunch.integrations import TrainerMetrics
 
         callbacks.append(TrainerMetrics())
+    if prints:
+        callbacks.append(_printing_callback())
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 16), callbacks=callbacks)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -155,6 +159,20 @@ def transformers_trainer(
         "weights": digest(model),
         "threads": _threads(),
     }
+
+
+def _printing_callback() -> Any:
+    from transformers import TrainerCallback
+
+    class Prints(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **_: Any) -> None:
+            print(logs)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            print(f"hello from rank {args.process_index}")
+            print(f"on shard {args.process_index}")
+
+    return Prints()
 
 
 # --- (c) Lightning: Trainer and Fabric ---------------------------------------------------------

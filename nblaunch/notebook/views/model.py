@@ -11,31 +11,30 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 from typing import Any
 
 from nblaunch.events import Event, RunState
 from nblaunch.notebook.charts import MetricSeries
 from nblaunch.notebook.views.ansi import plain
+from nblaunch.notebook.views.shapes import TQDM, ShapeCounter
 from nblaunch.options import VIEW_LINES
 
 # Lines kept per rank and in the "All ranks" log; NBLAUNCH_VIEW_LINES changes it.
 DEFAULT_VIEW_LINES = VIEW_LINES
+# Runs of fewer ranks fold nothing: two or three ranks' lines read well apart.
+FOLD_FROM_RANKS = 4
 # "All ranks" keeps max_lines for every this many ranks.
 ALL_RANKS_PER_KEEP = 8
 # Returned values up to this size (pickled) are kept, to be shown if of a plain type.
 SUMMARY_VALUE_BYTES = 4096
 
 # A kept line is a small list, [rank, fd, text]: cheaper to make than an object, and mutable,
-# so a "\r" progress line is redrawn in place in every buffer that holds it.
+# so a "\r" progress line is redrawn in place in every buffer that holds it. In a run that
+# folds alike lines, it has a fourth item: k, its place among the lines of its shape the rank
+# printed (shapes.ShapeCounter), counted as it came, so that folding joins the same line of
+# each rank whatever lines were dropped since.
 RANK, FD, TEXT = 0, 1, 2
 Line = list
-
-# What tqdm draws: "desc:  42%|████▏     | 42/100 [00:01<00:02, 30.12it/s]".
-TQDM = re.compile(
-    r"(?P<pct>\d+)%\|.*\|\s*(?P<n>\d+)/(?P<total>\d+)\s*"
-    r"\[(?P<elapsed>[\d:]+)<(?P<eta>[\d:?]+)(?:,\s*(?P<rate>[^\]]*))?\]"
-)
 
 
 class RunModel:
@@ -72,6 +71,7 @@ class RunModel:
         self.open_lines: dict[tuple[int, int], Line] = {}  # (rank, fd) -> its unfinished bar
         self._bars: set[tuple[int, int]] = set()  # (rank, fd) whose last event was a "\\r" line
         self.changed: set[str | int] = set()
+        self._shapes: ShapeCounter | None = None  # from 4 ranks on (fold.FOLD_FROM_RANKS)
 
     def handle(self, event: Event) -> None:
         """Take one event; cheap for output lines (appends to bounded buffers)."""
@@ -85,6 +85,8 @@ class RunModel:
             self.lines_received += 1
             # _append, inlined: every line a rank prints passes here (200k lines/s)
             line = [rank, event["fd"], event["text"]]
+            if self._shapes is not None:
+                line.append(self._shapes.count(rank, event["fd"], event["text"]))
             self.all_lines.append(line)
             lines = self.rank_lines.get(rank)
             if lines is None:
@@ -127,6 +129,8 @@ class RunModel:
             keep = self.max_lines * -(-event["world_size"] // ALL_RANKS_PER_KEEP)
             if keep > self.max_lines:
                 self.all_lines = collections.deque(self.all_lines, maxlen=keep)
+            if event["world_size"] >= FOLD_FROM_RANKS:
+                self._shapes = ShapeCounter()
         elif kind == "run_ended":
             self.ended = dict(event)
             self.changed.add("head")
@@ -222,6 +226,8 @@ class RunModel:
 
     def _append(self, line: Line) -> None:
         rank = line[RANK]
+        if self._shapes is not None:
+            line.append(self._shapes.count(rank, line[FD], line[TEXT]))
         self.all_lines.append(line)
         lines = self.rank_lines.get(rank)
         if lines is None:

@@ -6,18 +6,29 @@ outcome the ``run_ended`` event carries.
 
 from __future__ import annotations
 
+import collections
 import itertools
+import re
 import sys
 import time
 from typing import TextIO
 
 from nblaunch.events import Event, RunState, after_restarts, checking_mode
-from nblaunch.notebook.views.fold import fold_lines, rank_ranges
-from nblaunch.notebook.views.model import Line
+from nblaunch.notebook.views.fold import Fold, in_order, rank_ranges
+from nblaunch.notebook.views.model import FOLD_FROM_RANKS, Line
+from nblaunch.notebook.views.shapes import SHAPES_PER_RANK, ShapeCounter, line_shape
 from nblaunch.options import DEFAULT_LINE_PREFIX, format_line_prefix
 
 # Past this many ranks, the end of the run groups ranks by outcome.
 SUMMARY_BY_RANK = 8
+# How long a line waits for the other ranks' copies of it before it is written (with the ranks
+# that printed it so far): HOLD_S after the latest copy came, MAX_HOLD_S in all (ranks that
+# share a few cores start seconds apart). What comes after it waits too, so that order is kept.
+HOLD_S = 1.0
+MAX_HOLD_S = 5.0
+# A shape's whole numbers, taken out: "step 5 loss #" and "step 6 loss #" are printed by the
+# same ranks.
+_WHOLE = re.compile(r"\d+")
 
 
 class TextView:
@@ -53,13 +64,20 @@ class TextView:
         self._prefixes: dict[int, str] = {}
         self._stdout = stdout
         self._stderr = stderr
-        # In arrival order: a rank's line ([rank, fd, text], folded with alike ones at flush)
-        # or text of nblaunch's own (to stderr?, text).
-        self._pending: list[Line | tuple[bool, str]] = []
+        # In arrival order: the folds of ranks' lines ([rank, fd, text], alike ones of several
+        # ranks joined while they wait) and text of nblaunch's own (to stderr?, text).
+        self._pending: collections.deque[_Held | tuple[bool, str]] = collections.deque()
+        self._open: dict[tuple[int, str, int], _Held] = {}  # folds that still wait, by key
+        self._shapes = ShapeCounter()
+        self._last_fold: dict[int, Fold] = {}  # rank -> the fold of its latest line
+        self._folds_made = 0
+        # Which ranks print lines of a shape (whole numbers out), where not all of them do.
+        self._printers: dict[tuple[int, str], frozenset[int]] = {}
         self._interval = 1.0 / max_rate
         self._last_flush = 0.0
         self._last_carriage: dict[int, float] = {}
         self._bars: set[tuple[int, int]] = set()  # (rank, fd) whose last line was a "\\r" one
+        self._bar_shown: dict[tuple[int, int], str] = {}  # the bar's state printed last
         self.world_size = 0
 
     @property
@@ -81,13 +99,16 @@ class TextView:
                 if not event["text"].strip() or now - self._last_carriage.get(rank, 0.0) < 1.0:
                     return
                 self._last_carriage[rank] = now
+                self._bar_shown[key] = event["text"]
             elif key in self._bars:
                 self._bars.discard(key)
                 if not event["text"].strip():
                     return  # the bar was cleared (tqdm's leave=False): nothing to keep
-            self._pending.append([rank, event["fd"], event["text"]])
+                if self._bar_shown.pop(key, None) == event["text"]:
+                    return  # its last state is the one printed last: once is enough
+            self._add([rank, event["fd"], event["text"]], event["carriage"])
         elif kind == "log":
-            self._pending.append([event["rank"], 2, f"{event['level']} {event['message']}"])
+            self._add([event["rank"], 2, f"{event['level']} {event['message']}"], False)
         elif kind == "progress":
             self._pending.append((False, f"{self.prefix(event['rank'])}{event['text']}\n"))
         elif kind == "run_info":
@@ -127,8 +148,7 @@ class TextView:
         if not force and now - self._last_flush < self._interval:
             return
         self._last_flush = now
-        pending = self._texts(self._pending)
-        self._pending = []
+        pending = self._ready(now, force)
         for to_stderr, texts in itertools.groupby(pending, key=lambda item: item[0]):
             stream = self.stderr if to_stderr else self.stdout
             stream.write("".join(text for _, text in texts))
@@ -137,23 +157,62 @@ class TextView:
     def close(self) -> None:
         self.flush(force=True)
 
-    def _texts(self, pending: list[Line | tuple[bool, str]]) -> list[tuple[bool, str]]:
-        """What to write, in order: ranks' lines prefixed, alike lines of several ranks folded
-        into one (``[rank 0-7] epoch 0 step 40``; see ``fold.fold_lines``)."""
+    def _add(self, line: Line, carriage: bool) -> None:
+        """A rank's line joins the fold of the same line of other ranks that still waits (see
+        ``fold``'s rule), or begins one. A bar's state (``carriage``) joins any waiting state
+        of the same bar that its rank is not in."""
+        rank, fd, text = line
+        if self.world_size < FOLD_FROM_RANKS or not text.strip():
+            self._pending.append((fd == 2, f"{self.prefix(rank)}{text}\n"))
+            return
+        shape = line_shape(text, rank)[0]
+        key = (fd, shape, -1 if carriage else self._shapes.count(rank, fd, text))
+        held = self._open.get(key)
+        if (
+            held is None
+            or rank in held.rank_set
+            or not in_order(self._pending, held, self._last_fold.get(rank))
+        ):
+            self._folds_made += 1
+            held = self._open[key] = _Held(
+                key, (fd, _WHOLE.sub("#", shape)), float(self._folds_made), time.monotonic()
+            )
+            self._pending.append(held)
+        held.lines.append(line)
+        held.rank_set.add(rank)
+        held.latest = time.monotonic()
+        self._last_fold[rank] = held
+
+    def _ready(self, now: float, force: bool) -> list[tuple[bool, str]]:
+        """What to write now, in order: the waiting texts up to the first fold that still
+        waits for ranks it expects (``HOLD_S`` after its latest copy, ``MAX_HOLD_S`` in all)."""
         out: list[tuple[bool, str]] = []
-        lines: list[Line] = []  # ranks' lines since the last text of nblaunch's own
-        for item in [*pending, (False, "")]:
-            if isinstance(item, list):
-                lines.append(item)
+        everyone = frozenset(range(self.world_size))
+        while self._pending:
+            item = self._pending[0]
+            if isinstance(item, tuple):
+                out.append(self._pending.popleft())
                 continue
-            out += [
-                (fold.fd == 2, f"{self._prefix_of(fold.ranks)}{fold.text()}\n")
-                for fold in fold_lines(lines, self.world_size)
-            ]
-            lines = []
-            if item[1]:
-                out.append(item)
+            ranks = frozenset(item.rank_set)
+            expected = self._printers.get(item.printers, everyone)
+            waited = now - item.latest >= HOLD_S or now - item.born >= MAX_HOLD_S
+            if not (force or expected <= ranks or waited):
+                break
+            self._pending.popleft()
+            if self._open.get(item.key) is item:
+                del self._open[item.key]
+            self._learn(item.printers, ranks, everyone)
+            out.append((item.fd == 2, f"{self._prefix_of(item.ranks)}{item.text()}\n"))
         return out
+
+    def _learn(self, printers: tuple[int, str], ranks: frozenset[int], everyone: frozenset[int]):
+        """Which ranks print lines like this one: the next such line waits for those only (a
+        line only rank 0 prints is not held back each time)."""
+        self._printers.pop(printers, None)
+        if ranks != everyone:
+            self._printers[printers] = ranks
+            if len(self._printers) > SHAPES_PER_RANK:
+                del self._printers[next(iter(self._printers))]
 
     def _prefix_of(self, ranks: list[int]) -> str:
         """The prefix of a line that ``ranks`` printed alike: their ranges as ``${rank}``."""
@@ -162,6 +221,19 @@ class TextView:
         per_node = self._ranks_per_node
         local = rank_ranges(sorted({r % per_node for r in ranks})) if per_node else None
         return format_line_prefix(self._line_prefix, rank_ranges(ranks), local)
+
+
+class _Held(Fold):
+    """A fold of the text view that waits for the other ranks' copies of its line."""
+
+    def __init__(
+        self, key: tuple[int, str, int], printers: tuple[int, str], pos: float, born: float
+    ) -> None:
+        super().__init__(0, [], set(), pos)
+        self.key = key
+        self.printers = printers
+        self.born = born
+        self.latest = born  # when its latest copy came
 
 
 def _summary_text(ok: bool, elapsed_s: float, ranks: dict[int, str], restarts: str = "") -> str:
