@@ -18,6 +18,7 @@ from nblaunch.ranks import process_groups
 # equal): a rank that waits in it waits in the check before the user's call.
 RECORD_BYTES = 2048
 
+
 @dataclass
 class Beat:
     """A rank's last heartbeat as the watchdog reads it: where it waits, and in what."""
