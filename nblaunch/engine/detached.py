@@ -14,6 +14,7 @@ socket are, its host's pid and its state. The host keeps it up to date.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -209,6 +210,10 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         )
     finally:
         os.close(log)
+    # Reaped when it exits, or the ended host stays a zombie child of the kernel until it does
+    # (no SIGCHLD handler: that is the user's process to set up).
+    reaper = threading.Thread(target=host.wait, name=f"nblaunch-reap-{host.pid}", daemon=True)
+    reaper.start()
     lease.release()  # the host holds the lock now
     entry_path = registry_dir() / f"{run_dir.name}.json"
     deadline = time.monotonic() + HOST_START_LIMIT_S
@@ -216,11 +221,12 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         entry = Entry.read(entry_path)
         if entry is not None and entry.pid == host.pid:
             return entry
-        if host.poll() is not None:
+        if not reaper.is_alive():  # the host exited (poll() would wait on the reaper's lock)
             break
         time.sleep(0.02)
     else:
         host.kill()
+        reaper.join(5.0)
     tail = (run_dir / HOST_LOG).read_text(errors="replace")[-2000:]
     raise LaunchError(f"the run host did not start (see {run_dir / HOST_LOG}):\n{tail}")
 
@@ -260,6 +266,7 @@ class AttachedRun:
         self._outcome: dict[str, Any] | None = None
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._links: dict[int, AttachedRun] = {}  # each watching view's own connection
         if view is not None:
             self.hub.watch(view)
         if entry.live_state == RUNNING:
@@ -281,7 +288,17 @@ class AttachedRun:
         """Show the run in ``view``: what the host kept, then live (a connection of its own)."""
         if self.header is not None and not self._done.is_set():
             view.handle(self.header)  # now, in the caller's cell, before the host's events
-        AttachedRun(self.entry, view)
+        self._links = {k: link for k, link in self._links.items() if not link._done.is_set()}
+        self._links[id(view)] = AttachedRun(self.entry, view)
+
+    def unwatch(self, view: EventSink) -> None:
+        """Give ``view`` no more events and hang up its connection (the host forgets it)."""
+        link = self._links.pop(id(view), None)
+        if link is not None:
+            link.hub.unwatch(view)
+            if link._sock is not None:
+                with contextlib.suppress(OSError):
+                    link._sock.shutdown(socket.SHUT_RDWR)  # its reading thread ends
 
     def _read(self) -> None:
         assert self._sock is not None
