@@ -265,3 +265,42 @@ def test_views_of_ended_runs_keep_a_bounded_number_of_widgets(soak_kernel):
     # 13-14 widgets a view (plus ipywidgets' shared models): before the fix, 2 views a run.
     assert widgets <= (keep + 2) * 16, widgets
     assert ended == keep
+
+
+def test_a_detached_pools_host_keeps_no_push_or_pull(soak_kernel):
+    kernel = soak_kernel
+    cell = kernel.run(
+        "pool = nblaunch.start_pool(2, detach=True, display='none')\n"
+        "pool.push('blob', b'x' * 2**20)\nprint(pool.entry.pid)",
+        timeout=120,
+    )
+    assert cell["error"] is None, cell
+    host = psutil.Process(int(cell["out"].strip().splitlines()[-1]))
+    try:
+        before = host.memory_info().rss
+        cell = kernel.run(
+            "for _ in range(3):\n"
+            "    pool.push('blob', b'x' * 50 * 2**20)\n"
+            "    assert len(pool.pull('blob')) == 50 * 2**20",
+            timeout=180,
+        )
+        assert cell["error"] is None, cell
+        grown_mb = (host.memory_info().rss - before) / 2**20
+        # Before the fix the host kept the last request and the pulled value: +50 MB or more.
+        assert grown_mb < 20, grown_mb
+    finally:
+        kernel.run("pool.close()", timeout=60)
+
+
+def test_bench_soak_runs_at_its_smoke_size():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_soak.py"), "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")]
+    scenarios = {row[0].strip("| ") for row in rows[1:]}
+    assert scenarios >= {"views", "attach", "launches", "pool", "detached pool"}, done.stdout

@@ -317,7 +317,10 @@ class PoolRanks:
         self.tasks_run += 1
         if report.raises:
             self.last_failed_rank = report.failed_rank
-        return report.conclude()
+        try:
+            return report.conclude()
+        finally:  # the values are the caller's now: a pull's 50 MB is not kept to the next task
+            run.outcome.results.clear()
 
     # --- information -----------------------------------------------------------------------------
 
