@@ -4,15 +4,16 @@ Each scenario runs in one real kernel (jupyter_client, as the tests drive it) an
 and after every iteration, the kernel's RSS, fds, threads and live widgets, the run host's RSS,
 fds and threads (detached scenarios) and the ranks' RSS (summed):
 
-- ``views``: a background run printing ~100 lines/s, viewed again every few seconds
-  (``h.view()``, the live widget);
+- ``views``: a background run printing ~200 lines/s and logging ~50 metrics/s per rank, viewed
+  again every few seconds (``h.view()``, the live widget; the kernel's CPU share is counted);
 - ``attach``: a detached run attached by new processes, half of them reading the state, half
   watching it for half a second (``attach()``, ``.watch()``), each then exiting;
 - ``launches``: background launches (``block=False``), each waited for;
 - ``pool``: a pool of the kernel driven by ``%%distributed`` cells, then pushes and pulls;
 - ``detached pool``: the same on a detached pool (``start_pool(detach=True)``).
 
-It prints one line per iteration and a table of start, end, growth and growth per iteration.
+It prints one line per iteration and a table of start, middle and end, the growth in all, per
+iteration and over the second half (what is bounded stops growing there).
 
     python benchmarks/bench_soak.py            # ~10 minutes
     python benchmarks/bench_soak.py --smoke    # well under a minute (tests/test_soak.py)
@@ -34,9 +35,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import Kernel  # noqa: E402  (the tests' real-kernel driver)
 
 FULL = {
-    "views": {"seconds": 120, "every": 8},
-    "attach": {"times": 20},
-    "launches": {"times": 100, "step": 10},
+    "views": {"seconds": 180, "every": 10},
+    "attach": {"times": 40},
+    "launches": {"times": 200, "step": 20},
     "pool": {"cells": 300, "step": 50, "pushes": 20, "mb": 50},
 }
 SMOKE = {
@@ -57,9 +58,13 @@ from multiprocessing import forkserver, resource_tracker
 
 def chatty(seconds):
     import time
-    end = time.time() + seconds
-    while time.time() < end:
-        print("step", time.time(), flush=True)
+    end, step = time.time() + seconds, 0
+    while time.time() < end:  # ~200 lines/s and ~50 metrics/s per rank
+        print("step", step, time.time(), flush=True)
+        print("loss", 1 / (step + 1), flush=True)
+        if step % 2 == 0:
+            nblaunch.log_metrics({"loss": 1 / (step + 1)}, step=step)
+        step += 1
         time.sleep(0.01)
     return 1
 
@@ -82,7 +87,8 @@ def count(host=0):
     gc.collect()
     import ipywidgets.widgets.widget as w
     me = psutil.Process()
-    row = {"kernel MB": me.memory_info().rss / 2**20, "kernel fds": me.num_fds(),
+    row = {"kernel MB": me.memory_info().rss / 2**20, "kernel CPU %": me.cpu_percent(),
+           "kernel fds": me.num_fds(),
            "kernel threads": threading.active_count(), "widgets": len(w._instances),
            "ranks MB": ranks_rss(host or os.getpid())}
     if host:
@@ -118,15 +124,21 @@ class Soak:
         print(f"  {self.name} {label}: {shown}", flush=True)
 
     def table(self, iterations: int) -> list[str]:
-        (_, first), (_, last) = self.rows[0], self.rows[-1]
+        """Start, middle and end; growth in all, per iteration, and over the second half (a
+        bounded cost stops growing there)."""
+        (_, first), (_, middle), (_, last) = (
+            self.rows[0],
+            self.rows[len(self.rows) // 2],
+            self.rows[-1],
+        )
         lines = []
         for key in first:
             if key not in last:
                 continue
             growth = last[key] - first[key]
             lines.append(
-                f"| {self.name} | {key} | {first[key]:.1f} | {last[key]:.1f} | {growth:+.1f} "
-                f"| {growth / iterations:+.3f} |"
+                f"| {self.name} | {key} | {first[key]:.1f} | {middle[key]:.1f} | {last[key]:.1f} "
+                f"| {growth:+.1f} | {growth / iterations:+.3f} | {last[key] - middle[key]:+.1f} |"
             )
         return lines
 
@@ -221,8 +233,8 @@ def main() -> None:
     size = SMOKE if args.smoke else FULL
     began = time.monotonic()
     lines = [
-        "| scenario | what | start | end | growth | per iteration |",
-        "|---|---|---:|---:|---:|---:|",
+        "| scenario | what | start | middle | end | growth | per iteration | 2nd half |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     with tempfile.TemporaryDirectory() as cwd:
         kernel = Kernel(cwd)
