@@ -6,7 +6,8 @@ fds and threads (detached scenarios) and the ranks' RSS (summed):
 
 - ``views``: a background run printing ~200 lines/s and logging ~50 metrics/s per rank, viewed
   again every few seconds (``h.view()``, the live widget; the kernel's CPU share is counted);
-- ``attach``: a detached run attached by new processes, half of them reading the state, half
+- ``attach``: a detached run printing ~100 lines/s (no metrics: its history is full at once)
+  attached by new processes, half of them reading the state, half
   watching it for half a second (``attach()``, ``.watch()``), each then exiting;
 - ``launches``: background launches (``block=False``), each waited for;
 - ``pool``: a pool of the kernel driven by ``%%distributed`` cells, then pushes and pulls;
@@ -68,8 +69,18 @@ def chatty(seconds):
         time.sleep(0.01)
     return 1
 
+def printer(seconds):  # output only: the host's history is full within seconds
+    import time
+    end = time.time() + seconds
+    while time.time() < end:
+        print("step", time.time(), flush=True)
+        time.sleep(0.01)
+    return 1
+
 def quick():
     return nblaunch.rank()
+
+me = psutil.Process()  # one object: cpu_percent() is the share since its last call
 
 def ranks_rss(pid):
     helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
@@ -84,9 +95,11 @@ def ranks_rss(pid):
     return total / 2**20
 
 def count(host=0):
+    from nblaunch.engine import supervisor
+    for _, _, process in list(supervisor._leaving):  # ranks let go, still exiting: not counted
+        process.join(5.0)
     gc.collect()
     import ipywidgets.widgets.widget as w
-    me = psutil.Process()
     row = {"kernel MB": me.memory_info().rss / 2**20, "kernel CPU %": me.cpu_percent(),
            "kernel fds": me.num_fds(),
            "kernel threads": threading.active_count(), "widgets": len(w._instances),
@@ -164,7 +177,7 @@ def views(kernel: Kernel, size: dict) -> tuple[Soak, int]:
 def attach(kernel: Kernel, size: dict) -> tuple[Soak, int]:
     soak = Soak(kernel, "attach")
     out = soak.run(
-        "h = nblaunch.notebook_launcher(chatty, (3600,), num_processes=2, detach=True, "
+        "h = nblaunch.notebook_launcher(printer, (3600,), num_processes=2, detach=True, "
         "display='none')\nwhile not (h.run_dir / 'rank1.log').stat().st_size if "
         "(h.run_dir / 'rank1.log').exists() else True: time.sleep(0.1)\n"
         "print(h.id, nblaunch.engine.detached.find(h.id).pid)",
@@ -188,6 +201,9 @@ def attach(kernel: Kernel, size: dict) -> tuple[Soak, int]:
 
 def launches(kernel: Kernel, size: dict) -> tuple[Soak, int]:
     soak = Soak(kernel, "launches")
+    soak.run(  # the first one forks the spare ranks ahead (their pipes): counted from here
+        "nblaunch.notebook_launcher(quick, num_processes=2, block=False, display='none').result(60)"
+    )
     soak.count("launch 0")
     for done in range(0, size["times"], size["step"]):
         soak.run(
