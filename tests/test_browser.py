@@ -356,6 +356,49 @@ def test_a_background_run_s_view_comes_back_after_a_page_reload(background_noteb
     assert all(shot.stat().st_size > 5_000 for shot in shots)
 
 
+def test_a_newer_view_replaces_the_older_one_in_the_page(background_notebook, tmp_path):
+    """The launch cell's live view, then ``h.view()`` in another cell without a reload: the
+    older one stops, leaving its last state as static HTML under a note; the newer one moves."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 1600})
+            page.goto(background_notebook, timeout=90_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+            _kernel_idle(page)
+            for index in (0, 1):
+                _run_cell(page, index)
+            cells = page.locator(".jp-Notebook .jp-Cell")
+            first = cells.nth(1)
+            expect(first.locator(".nbl-ranks")).to_contain_text("RUNNING", timeout=120_000)
+            expect(first.locator("button", has_text="Stop")).to_be_visible()
+            _run_cell(page, 3)  # h.view()
+            newer = cells.nth(3)
+            expect(newer.locator(".nbl-ranks")).to_contain_text("RUNNING", timeout=30_000)
+            expect(first).to_contain_text("A newer view of this run replaced this one")
+            expect(first.locator("button", has_text="Stop")).to_have_count(0)  # no widgets
+            expect(first.locator(".nbl-ranks")).to_contain_text("rank 1")  # its last state
+            frozen = first.inner_text()
+            log = newer.locator(".nbl-log:visible")
+            expect(log).to_contain_text("step 1", timeout=30_000)
+
+            def last_step() -> int:
+                return max(int(n) for n in re.findall(r"step (\d+)", log.inner_text()))
+
+            before = last_step()
+            page.wait_for_timeout(2000)
+            assert last_step() > before  # the newer view is live
+            assert first.inner_text() == frozen  # the older one is not
+            newer.locator("button", has_text="Stop").click()
+            expect(newer.locator(".nbl-ranks")).to_contain_text("STOPPED", timeout=30_000)
+        finally:
+            browser.close()
+
+
 def _many_ranks_cells(ranks: int) -> list[str]:
     """A new user's loop on ``ranks`` CPU ranks: an all_reduce a step, tqdm, a print every
     20 steps (benchmarks/bench_views.py runs the same)."""

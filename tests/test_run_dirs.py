@@ -40,11 +40,22 @@ def test_a_live_run_is_neither_pruned_nor_counted(tmp_path, monkeypatch):
         lease.release()
         finished.append(path)
     assert live.exists() and is_live(live)
-    # Each launch keeps one finished run besides itself (it was still live when it pruned).
-    assert [p for p in finished if p.exists()] == finished[-2:]
-    live_lease.release()
-    assert not is_live(live)
-    assert prune_runs(tmp_path, keep=1) == [finished[-2], live]  # once finished, it counts
+    # A run that ends prunes again: one finished run is kept, not one more (issue 45: 51 of 50).
+    assert [p for p in finished if p.exists()] == finished[-1:]
+    live_lease.release()  # once finished, it counts first (it finished last): the other goes
+    assert live.exists() and not finished[-1].exists()
+    assert prune_runs(tmp_path, keep=1) == []
+
+
+def test_the_base_keeps_the_newest_finished_runs_and_no_more(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBLAUNCH_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("NBLAUNCH_KEEP_RUNS", "3")
+    made = []
+    for _ in range(6):
+        path, lease = new_run_dir(None)
+        made.append(path)
+        lease.release()
+    assert sorted(p for p in tmp_path.iterdir()) == made[-3:]
 
 
 def test_another_process_cannot_prune_a_run_this_one_holds(tmp_path):
@@ -142,13 +153,16 @@ def test_a_long_run_keeps_its_logs_and_metrics_while_another_process_launches(tm
         assert "step 39" in (running / f"rank{rank}.log").read_text()
     assert (running / "metrics.jsonl").read_text().count('"loss"') == 80
     runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
-    assert len(runs) == 4 and running.name in runs  # the live one neither pruned nor counted
-    # Now finished, the long run counts like any other: the next launch keeps the newest two.
+    # The live one was neither pruned nor counted; at its end it counted first, as the run
+    # that finished last (its logs are not lost to runs that started after it), then the
+    # newest of the others.
+    assert runs == sorted([running.name, runs[-1]]) and len(runs) == 2
+    # Now finished, the long run counts like any other: once the next launch ends, it goes.
     subprocess.run(
         [
             sys.executable,
             "-c",
-            "from nblaunch.engine.run_dirs import new_run_dir; new_run_dir(None)",
+            "from nblaunch.engine.run_dirs import new_run_dir; new_run_dir(None)[1].release()",
         ],
         env=env,
         check=True,

@@ -58,6 +58,9 @@ class RunControl(Protocol):
     def watch(self, view: EventSink) -> None:
         """Give ``view`` what the run kept so far, then every event until it ends."""
 
+    def unwatch(self, view: EventSink) -> None:
+        """Give ``view`` no more events (a newer view replaced it)."""
+
     def values(self) -> list[Any]:
         """The values by rank, or raise what a blocking launch would have raised."""
 
@@ -184,6 +187,9 @@ class BackgroundTask:
 
     def watch(self, view: EventSink) -> None:
         self.hub.watch(view)
+
+    def unwatch(self, view: EventSink) -> None:
+        self.hub.unwatch(view)
 
     def values(self) -> list[Any]:
         __tracebackhide__ = True

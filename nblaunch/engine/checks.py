@@ -204,6 +204,15 @@ def reader_for(plan: LaunchPlan) -> CallReader:
     return reader
 
 
+def close_reader(plan: LaunchPlan) -> None:
+    """Close the reader of ``plan``'s ranks, if any: they were stopped (each reader is a
+    listening socket, and a run's plan outlives it in the handles ``runs()`` keeps)."""
+    address = plan.options.get("checks_address")
+    reader = _readers.pop(address, None) if address else None
+    if reader is not None:
+        reader.close()
+
+
 def compare(records: dict[int, Any], complete: bool) -> str | None:
     """Debug mode's report for the records of one collective (by rank), or ``None`` if they agree.
 

@@ -14,6 +14,7 @@ socket are, its host's pid and its state. The host keeps it up to date.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -216,6 +217,10 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         )
     finally:
         os.close(log)
+    # Reaped when it exits, or the ended host stays a zombie child of the kernel until it does
+    # (no SIGCHLD handler: that is the user's process to set up).
+    reaper = threading.Thread(target=host.wait, name=f"nblaunch-reap-{host.pid}", daemon=True)
+    reaper.start()
     lease.release()  # the host holds the lock now
     entry_path = registry_dir() / f"{run_dir.name}.json"
     deadline = time.monotonic() + HOST_START_LIMIT_S
@@ -223,11 +228,12 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         entry = Entry.read(entry_path)
         if entry is not None and entry.pid == host.pid:
             return entry
-        if host.poll() is not None:
+        if not reaper.is_alive():  # the host exited (poll() would wait on the reaper's lock)
             break
         time.sleep(0.02)
     else:
         host.kill()
+        reaper.join(5.0)
     tail = (run_dir / HOST_LOG).read_text(errors="replace")[-2000:]
     raise LaunchError(f"the run host did not start (see {run_dir / HOST_LOG}):\n{tail}")
 
@@ -274,7 +280,7 @@ class AttachedRun:
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._skip_header = header_shown
-        self._views: list[AttachedRun] = []  # the views' connections, which watch() started
+        self._links: dict[int, AttachedRun] = {}  # each watching view's own connection
         if view is not None:
             self.hub.watch(view)
         if entry.live_state == RUNNING:
@@ -297,7 +303,17 @@ class AttachedRun:
         shown = self.header is not None and not self._done.is_set()
         if shown:
             view.handle(self.header)  # now, in the caller's cell, before the host's events
-        self._views.append(AttachedRun(self.entry, view, header_shown=shown))
+        self._links = {k: link for k, link in self._links.items() if not link._done.is_set()}
+        self._links[id(view)] = AttachedRun(self.entry, view, header_shown=shown)
+
+    def unwatch(self, view: EventSink) -> None:
+        """Give ``view`` no more events and hang up its connection (the host forgets it)."""
+        link = self._links.pop(id(view), None)
+        if link is not None:
+            link.hub.unwatch(view)
+            if link._sock is not None:
+                with contextlib.suppress(OSError):
+                    link._sock.shutdown(socket.SHUT_RDWR)  # its reading thread ends
 
     def _read(self) -> None:
         assert self._sock is not None
@@ -345,7 +361,7 @@ class AttachedRun:
         """Wait (a while) for the views this handle started to show the run's end: a script's
         ``result()`` returns after its view printed the summary, not before."""
         deadline = time.monotonic() + VIEWS_END_LIMIT_S
-        for view in list(self._views):
+        for view in list(self._links.values()):
             view._done.wait(max(0.0, deadline - time.monotonic()))
 
     def _readable(self, outcome: dict[str, Any]) -> dict[str, Any]:

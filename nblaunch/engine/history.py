@@ -149,6 +149,19 @@ class EventHub:
             view.flush(force=True)
             self._watchers = (*self._watchers, watcher)
 
+    def unwatch(self, view: EventSink) -> bool:
+        """Stop handing ``view`` events (it is not closed); True when it was watching."""
+        with self._lock:
+            kept = tuple(w for w in self._watchers if w.view is not view)
+            found = len(kept) < len(self._watchers)
+            self._watchers = kept
+            return found
+
+    @property
+    def watching(self) -> int:
+        """How many views watch now."""
+        return len(self._watchers)
+
     def handle(self, event: Event) -> None:
         with self._lock:
             if self.history is not None:

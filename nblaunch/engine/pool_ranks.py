@@ -15,7 +15,7 @@ import contextlib
 import time
 from typing import Any, Protocol
 
-from nblaunch.engine import pool_status, shutdown
+from nblaunch.engine import checks, pool_status, shutdown
 from nblaunch.engine.backend import BackendFactory, ProcessBackend
 from nblaunch.engine.background import RUNNING, BackgroundTask
 from nblaunch.engine.clock import REAL_CLOCK, Clock
@@ -317,7 +317,10 @@ class PoolRanks:
         self.tasks_run += 1
         if report.raises:
             self.last_failed_rank = report.failed_rank
-        return report.conclude()
+        try:
+            return report.conclude()
+        finally:  # the values are the caller's now: a pull's 50 MB is not kept to the next task
+            run.outcome.results.clear()
 
     # --- information -----------------------------------------------------------------------------
 
@@ -416,6 +419,7 @@ class PoolRanks:
             return
         with contextlib.suppress(Exception):
             run.backend.stop(grace=grace)
+        checks.close_reader(run.plan)  # its ranks are gone; a restart makes a new one
         if close_pipes:  # a broken pool keeps its other nodes until it is restarted or closed
             with contextlib.suppress(Exception):
                 run.release_nodes(rejoin)

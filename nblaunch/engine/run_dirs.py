@@ -40,6 +40,9 @@ class RunLease:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
+        # Under nblaunch's base: (base, keep), pruned again once this run finished, so the base
+        # holds the newest ``keep`` finished runs, not one more (it was live at its launch).
+        self.prune_to: tuple[Path, int] | None = None
         self._fd: int | None = os.open(run_dir / LEASE_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 
@@ -48,7 +51,7 @@ class RunLease:
         """The lease another process took and handed down with ``fd`` (a detached run's host
         inherits it from the notebook: the lock never lapses between the two)."""
         lease = cls.__new__(cls)
-        lease.run_dir, lease._fd = run_dir, fd
+        lease.run_dir, lease._fd, lease.prune_to = run_dir, fd, None
         return lease
 
     @property
@@ -57,13 +60,18 @@ class RunLease:
         return self._fd
 
     def release(self) -> None:
-        """The run is over: its directory may be pruned from now on."""
+        """The run is over: its directory may be pruned from now on (and the oldest finished
+        ones are, under nblaunch's base)."""
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock
             self._fd = None
+            if self.prune_to is not None:  # this run counts first: it just finished
+                prune_runs(*self.prune_to, finished=self.run_dir)
 
     def __del__(self) -> None:
-        self.release()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def is_live(run_dir: Path) -> bool:
@@ -118,12 +126,15 @@ def new_run_dir(run_dir: str | os.PathLike[str] | None) -> tuple[Path, RunLease]
         )
     if base is not None:
         prune_runs(base, keep)
+        lease.prune_to = (base, keep)
     return path, lease
 
 
-def prune_runs(base: Path, keep: int) -> list[Path]:
+def prune_runs(base: Path, keep: int, finished: Path | None = None) -> list[Path]:
     """Remove the oldest finished run directories nblaunch named under ``base``, keeping the
     newest ``keep`` finished ones (0 keeps every one); a live run's is never touched.
+    ``finished``: a run that just ended, counted as the newest and never removed (a long run
+    must not lose its logs at its end to runs that started after it).
 
     Best effort; returns what was removed.
     """
@@ -134,14 +145,14 @@ def prune_runs(base: Path, keep: int) -> list[Path]:
             names = sorted(e.name for e in entries if _RUN_DIR_NAME.match(e.name) and e.is_dir())
     except OSError:
         return []
-    finished = 0
+    counted = 0 if finished is None else 1
     removed = []
     for name in reversed(names):  # newest first: keep the first ``keep`` finished ones
         path = base / name
-        if is_live(path):
+        if (finished is not None and path.name == finished.name) or is_live(path):
             continue
-        finished += 1
-        if finished > keep:
+        counted += 1
+        if counted > keep:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nblaunch.engine import verdict
+from nblaunch.engine import checks, verdict
 from nblaunch.engine.verdict import Cause
 from nblaunch.events import RunState
 
@@ -80,6 +80,7 @@ def finish(run: Run) -> None:
             run.publish(run.run_ended(ok))
             run.relay.close()
         backend.close()
+        checks.close_reader(run.plan)
         run.view.close()
         release_run_dir(run)
 

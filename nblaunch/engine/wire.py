@@ -39,11 +39,15 @@ def receive(sock: socket.socket) -> tuple[str, Any] | None:
     return kind, body
 
 
-def _exactly(sock: socket.socket, size: int) -> bytes | None:
-    chunks = bytearray()
-    while len(chunks) < size:
-        chunk = sock.recv(min(size - len(chunks), 1 << 20))
-        if not chunk:
+def _exactly(sock: socket.socket, size: int) -> bytearray | None:
+    """``size`` bytes, read into one buffer made at once (a 50 MB push is neither grown chunk by
+    chunk nor copied again at the end)."""
+    data = bytearray(size)
+    view = memoryview(data)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:], min(size - got, 1 << 20))
+        if not n:
             return None
-        chunks += chunk
-    return bytes(chunks)
+        got += n
+    return data

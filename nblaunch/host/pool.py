@@ -168,6 +168,7 @@ class PoolServer:
                     self.on_holder(None)
             elif sock is self.client and self._answer(kind, body, sock):
                 return "closed"
+            del kind, body, sock  # a task's payload is not kept while the pool idles
 
     def close(self) -> None:
         self.sock.close()
@@ -261,6 +262,7 @@ class PoolServer:
                         self.pool.engine.request_stop()
                 else:
                     self._messages.put((kind, body, sock))
+                del message, body  # not held while waiting for the next one
         except (OSError, EOFError, ValueError):
             pass
         self._messages.put(("gone", None, sock))

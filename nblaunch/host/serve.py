@@ -32,9 +32,10 @@ class ClientFeed:
     as one batch, so the sending thread wakes once a turn, not once a line.
     """
 
-    def __init__(self, sock: socket.socket, on_stop: Any) -> None:
+    def __init__(self, sock: socket.socket, on_stop: Any, on_gone: Any = None) -> None:
         self.sock = sock
         self.on_stop = on_stop
+        self.on_gone = on_gone  # called with the feed once its notebook hung up and it closed
         self.gone = False
         self.quiet = False  # the notebook wants the outcome only
         self._pending: list[Event] = []
@@ -108,6 +109,20 @@ class ClientFeed:
                     self.quiet = True
         except (OSError, ValueError, EOFError):
             pass
+        finally:
+            self._hung_up()
+
+    def _hung_up(self) -> None:
+        """The notebook hung up (or the sender ended the feed): end the sender, which waits on
+        its queue forever for a quiet client, close the socket and let the server forget it."""
+        self.gone = True
+        self._queue.put(_END)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # a send to a notebook that reads no more ends
+        self.sender.join()
+        self.sock.close()
+        if self.on_gone is not None:
+            self.on_gone(self)
 
 
 class StreamServer:
@@ -150,7 +165,7 @@ class StreamServer:
                 sock, _ = self.sock.accept()
             except OSError:
                 return  # closed: the run ended
-            feed = ClientFeed(sock, self.on_stop)
+            feed = ClientFeed(sock, self.on_stop, self._forget)
             with self._lock:
                 self.clients.append(feed)
                 self.hub.watch(feed)  # the history first, then every new event
@@ -158,13 +173,21 @@ class StreamServer:
                     feed.end(self._outcome)
             feed.start()
 
+    def _forget(self, feed: ClientFeed) -> None:
+        """A client hung up: no more events for it (each attach would leave a feed behind)."""
+        with self._lock:
+            if feed in self.clients:
+                self.clients.remove(feed)
+        self.hub.unwatch(feed)
+
     def finish(self, outcome: bytes, limit_s: float = 5.0) -> None:
         """Send every client the outcome after its last events; wait up to ``limit_s`` for them."""
         with self._lock:
             self._outcome = outcome
             for feed in self.clients:
                 feed.end(outcome)
-        for feed in self.clients:
+            feeds = list(self.clients)
+        for feed in feeds:
             feed.sender.join(limit_s)
         self.sock.close()
         with contextlib.suppress(OSError):

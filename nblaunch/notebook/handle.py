@@ -34,6 +34,10 @@ MAX_REMEMBERED = 100
 _WAIT_STEP_S = 0.1
 # How long stop() waits for the run to end (the ranks' grace period, then SIGKILL, and more).
 STOP_WAIT_S = 30.0
+# The view `.view()` last showed of each run still going, and the run it watches: a newer one
+# replaces it (see RunHandle.view).
+_live_views: dict[str, tuple[RunControl, EventSink]] = {}
+REPLACED_NOTE = "A newer view of this run replaced this one; it stopped here."
 
 
 class RunHandle:
@@ -126,14 +130,22 @@ class RunHandle:
         self._control.wait(timeout)
 
     def view(self, display: str = "auto") -> None:
-        """Show the run's view in this cell: what it kept so far, then live until the run ends."""
+        """Show the run's view in this cell: what it kept so far, then live until the run ends.
+
+        A newer view of the same run replaces the one shown before: that one stops, and what it
+        showed last stays as static HTML (its page may be gone; a kernel cannot tell). So a run
+        viewed many times costs the kernel what one view costs."""
         from nblaunch.notebook.views import choose  # choose.make_view: the seam tests replace
         from nblaunch.notebook.views.widget import LaunchView
 
         shown = choose.choose_view(display, defer="never", **self.views)
         if isinstance(shown, LaunchView):
             shown.on_stop = self._control.stop  # the button's thread does not wait
-        self._control.watch(shown)
+        _retire_view(self.id)
+        control = self._control
+        control.watch(shown)
+        if control.state == RUNNING:
+            _live_views[self.id] = (control, shown)
 
     def watch(self, sink: EventSink) -> None:
         """Give ``sink`` (any view, e.g. a ``RecordingView``) the run's events: what was kept so
@@ -172,6 +184,21 @@ def launch_in_background(
     if isinstance(control, BackgroundRun):
         control.start()  # the ranks start here; the header reaches the view in this cell
     return remember(handle)
+
+
+def _retire_view(run_id: str) -> None:
+    """Stop the view ``.view()`` last showed of ``run_id``; forget views of ended runs."""
+    for key, (control, _) in list(_live_views.items()):
+        if control.state != RUNNING:
+            del _live_views[key]
+    old = _live_views.pop(run_id, None)
+    if old is None:
+        return
+    control, view = old
+    control.unwatch(view)
+    retire = getattr(view, "retire", None)
+    if retire is not None:
+        retire(REPLACED_NOTE)
 
 
 def remember(handle: RunHandle) -> RunHandle:

@@ -9,6 +9,7 @@ summary (``summary``), so a saved notebook shows what happened even without widg
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
@@ -23,6 +24,11 @@ from nblaunch.notebook.views.summary import summary_bundle
 from nblaunch.options import view_lines_from_env
 
 _shared: dict[str, Any] = {}
+# Views of ended runs whose widgets stay live (their tabs and rank picker still work); past
+# this the oldest are retired: static HTML of what they showed, widgets closed. Without a bound
+# a kernel kept every view's widgets forever (13 each: 1,567 after 120 launches).
+KEEP_ENDED = 20
+_ended: collections.deque[LaunchView] = collections.deque()
 
 
 def _shared_models() -> dict[str, Any]:
@@ -115,11 +121,16 @@ class LaunchView:
         # False: build no widgets, show only the static summary at the end (a run that was
         # over before its live view would have appeared; see DeferredView).
         self.live = True
+        self.retired = False  # see retire()
+        self._display_id = f"nblaunch-view-{id(self):x}-{time.time_ns():x}"
+        self._all: list[Any] = []  # every widget of this view, to close them (not shared ones)
 
     # --- EventSink -------------------------------------------------------------------------------
 
     def handle(self, event: Event) -> None:
         """Take one event; cheap for output lines (the model appends to bounded buffers)."""
+        if self.retired:
+            return
         self.model.handle(event)
         kind = event["kind"]
         if kind == "run_info":
@@ -148,6 +159,8 @@ class LaunchView:
         """The run is over: final render, retire the Stop button, show the static summary."""
         with self._stop_lock:
             self._running = False
+        if self.retired:
+            return
         if self._widgets:
             self.model.changed.update(("head", "ranks", "panel", "progress", "charts", "logs"))
             self.model.changed.update(self.model.rank_lines)
@@ -162,6 +175,35 @@ class LaunchView:
             self._summary_id = f"nblaunch-summary-{id(self):x}-{time.time_ns():x}"
             self._summary_sent = self.summary_bundle()
             _display(self._summary_sent, raw=True, display_id=self._summary_id)
+        if self._widgets and self not in _ended:
+            _ended.append(self)
+            while len(_ended) > KEEP_ENDED:
+                _ended.popleft().retire()
+
+    def retire(self, note: str = "") -> None:
+        """Stop for good: what the widgets showed last stays as static HTML in their place
+        (under ``note``), the widgets are closed, and later events are ignored. For a view of
+        an ended run past ``KEEP_ENDED``, or one a newer view of the same run replaced."""
+        with self._stop_lock:
+            self._running = False
+        if self.retired:
+            return
+        self.retired = True
+        self.live = False
+        if not self._widgets:
+            return
+        w = self._widgets
+        parts = [w["head"], w["ranks"], w["panel"], w["progress"], w["charts"], self._logs[0]]
+        _display(
+            _static(note, [self._shown.get(id(p), "") for p in parts]),
+            raw=True,
+            display_id=self._display_id,
+            update=True,
+        )
+        for widget in self._all:
+            widget.close()
+        self._all, self._logs, self._picker, self._widgets = [], [], None, {}
+        self._shown.clear()
 
     def summary_bundle(self) -> dict[str, str]:
         """The end-of-run summary as ``text/plain`` and ``text/html`` (see ``summary``)."""
@@ -294,6 +336,10 @@ class LaunchView:
             [html(render.CSS), top, ranks, panel, progress, charts, tabs], layout=shared["plain"]
         )
         root.add_class("nbl-root")
+        self._all = [root, top, head, stop, ranks, panel, progress, charts, tabs, *pages]
+        self._all += [*root.children[:1], *self._logs[1:]]
+        if self._picker is not None:
+            self._all.append(self._picker)
         self._widgets = {
             "root": root,
             "head": head,
@@ -306,7 +352,7 @@ class LaunchView:
         }
         self.model.expect_ranks()
         self.model.changed.update(("head", "ranks", "logs"))
-        _display(root)
+        _display(root, display_id=self._display_id)
         self.flush(force=True)
 
     def _render(self) -> int:
@@ -357,6 +403,13 @@ class LaunchView:
             widget.layout = layout
             sent += 1
         return sent
+
+
+def _static(note: str, shown: list[str]) -> dict[str, str]:
+    """A retired view's place: what its widgets showed last, as HTML, under ``note``."""
+    html = render.CSS + (f"<div><i>{note}</i></div>" if note else "") + "".join(shown)
+    plain = note or "(the run's live view, closed; its summary and run directory remain)"
+    return {"text/html": f'<div class="nbl-root">{html}</div>', "text/plain": plain}
 
 
 def _display(obj: Any, **kwargs: Any) -> None:
