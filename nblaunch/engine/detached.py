@@ -14,6 +14,7 @@ socket are, its host's pid and its state. The host keeps it up to date.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -262,14 +263,17 @@ class AttachedRun:
         self._sock: socket.socket | None = None
         if view is not None:
             self.hub.watch(view)
-        if entry.live_state == RUNNING:
+        if host_alive(entry.pid):  # going, or ended and its host still hands out the outcome
             try:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._sock.connect(entry.socket)
-                if view is None:
-                    wire.send(self._sock, wire.QUIET, None)
             except OSError:
                 self._sock = None  # it ended a moment ago: read what it left
+            if self._sock is not None and view is None:
+                # A host that holds an ended run's outcome may have sent it all and shut its
+                # side already: what it sent is still there to read.
+                with contextlib.suppress(OSError):
+                    wire.send(self._sock, wire.QUIET, None)
         if self._sock is None:
             self._read_ended()
             return
