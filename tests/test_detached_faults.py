@@ -4,13 +4,15 @@ whose directories share a name, a run host that was killed. Real processes and r
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import Kernel, wait_until
 from test_detached import processes_of
 
 import nblaunch
@@ -124,3 +126,71 @@ def test_a_held_outcome_is_written_once_the_disk_has_room_and_the_host_ends(
     assert wait_until(lambda: not processes_of(entry.pid), 30)
     assert nblaunch.attach(handle.id).state == "done"
     assert detached.AttachedRun(entry).values() == [100, 101]  # from result.pkl now
+
+
+# --- 2. two kernels and one detached pool -------------------------------------------------------
+
+RAW_SOCKET_ERRORS = ("ConnectionResetError", "BrokenPipeError", "Errno")
+
+
+def said(cell: dict) -> str:
+    """All a cell showed: its printed text, its result and its error."""
+    return f"{cell['out']}\n{cell['result']}\n{cell['error']}: {cell['message']}"
+
+
+@pytest.mark.slow
+def test_two_kernels_one_detached_pool_each_is_told_in_words(registry, tmp_path):
+    first, second = Kernel(tmp_path), Kernel(tmp_path)
+    try:
+        for kernel in (first, second):
+            kernel.run("%load_ext nblaunch")
+        started = first.run("%dist start -n 2 --detach", timeout=120)
+        assert "ready" in started["out"], started
+        entry = detached.find(None, kind="pool")
+        assert first.run("%%distributed\nx = rank + 7\nx")["result"] == "7"
+        # The second kernel is refused at once, told who drives the pool and how to take it.
+        refused = second.run("%dist attach")
+        assert refused["seconds"] < 5, refused
+        assert "is driven by kernel" in said(refused) and "--take-over" in said(refused), refused
+        # It takes over while the first runs a cell: it waits for that cell, and says so.
+        first.client.execute("%%distributed\nimport time\ntime.sleep(3)\nx")
+        time.sleep(1.0)
+        taken = second.run("%dist attach --take-over", timeout=60)
+        assert "taking it over when that cell ends" in taken["out"], taken
+        assert "attached to detached" in taken["out"], taken
+        assert second.run("%%distributed\nx")["result"] == "7"  # the same ranks, same names
+        # The first kernel's next command says who took the pool; stop stops nothing.
+        stop = first.run("%dist stop", timeout=30)
+        assert "nothing stopped here" in stop["out"] and "took over" in stop["out"], stop
+        assert not any(word in said(stop) for word in RAW_SOCKET_ERRORS), stop
+        assert detached.host_alive(entry.pid)
+        assert second.run("%%distributed\nx + 1")["result"] == "8"
+        # Stopped from a terminal: the second kernel's next cell says so.
+        assert "stopped" in cli("stop", entry.run_id).stdout
+        cell = second.run("%%distributed\nx")
+        assert "UsageError: the detached pool" in said(cell), cell
+        assert "was stopped from outside" in said(cell), cell
+        assert not any(word in said(cell) for word in RAW_SOCKET_ERRORS), cell
+        status = second.run("%dist status")
+        assert "none is running" in status["out"], status
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.slow
+def test_a_killed_pool_host_is_told_in_words_by_the_next_cell(registry, tmp_path):
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run("%load_ext nblaunch")
+        assert "ready" in kernel.run("%dist start -n 2 --detach", timeout=120)["out"]
+        entry = detached.find(None, kind="pool")
+        os.kill(entry.pid, signal.SIGKILL)
+        assert wait_until(lambda: not detached.host_alive(entry.pid), 10)
+        status = kernel.run("%dist status")
+        assert "ended without a word (killed?)" in status["out"], status
+        assert not any(word in said(status) for word in RAW_SOCKET_ERRORS), status
+        stop = kernel.run("%dist stop")
+        assert "stopped 2 rank" not in stop["out"], stop
+    finally:
+        kernel.close()
