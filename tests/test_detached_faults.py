@@ -4,6 +4,7 @@ whose directories share a name, a run host that was killed. Real processes and r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -25,7 +26,11 @@ def registry(tmp_path, monkeypatch) -> Path:
     """A registry of detached runs of this test's own (kernels started after it inherit it)."""
     path = tmp_path / "detached"
     monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(path))
-    return path
+    yield path
+    for entry in detached.entries() if path.is_dir() else []:  # a failed test's hosts too
+        if detached.host_alive(entry.pid):
+            with contextlib.suppress(OSError):
+                os.killpg(entry.pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -194,3 +199,40 @@ def test_a_killed_pool_host_is_told_in_words_by_the_next_cell(registry, tmp_path
         assert "stopped 2 rank" not in stop["out"], stop
     finally:
         kernel.close()
+
+
+# --- 4. run ids ---------------------------------------------------------------------------------
+
+
+def tagged(tag, seconds):
+    import time
+
+    import torch.distributed as dist
+
+    time.sleep(seconds)
+    return f"{tag}{dist.get_rank()}"
+
+
+@pytest.mark.slow
+def test_two_run_dirs_of_one_name_get_two_ids_each_listed_attached_and_stopped(registry, tmp_path):
+    a = nblaunch.notebook_launcher(
+        tagged, ("a", 3), 2, detach=True, display="none", run_dir=tmp_path / "expA" / "out"
+    )
+    b = nblaunch.notebook_launcher(
+        tagged, ("b", 600), 2, detach=True, display="none", run_dir=tmp_path / "expB" / "out"
+    )
+    assert a.id == "out" and b.id == "out-2", (a.id, b.id)
+    listed = cli().stdout
+    assert "expA" in listed and "expB" in listed, listed
+    assert nblaunch.attach("out").run_dir == tmp_path / "expA" / "out"
+    assert nblaunch.attach("out-2").run_dir == tmp_path / "expB" / "out"
+    stopped = cli("stop", "out-2")
+    assert "out-2 stopped" in stopped.stdout, stopped
+    assert b.state == "stopped" or wait_until(lambda: b.state == "stopped", 30)
+    assert a.result(timeout=60) == ["a0", "a1"]
+    assert detached.find("out").state == "done" and detached.find("out-2").state == "stopped"
+    # A later run in the same directory keeps that directory's id.
+    again = nblaunch.notebook_launcher(
+        tagged, ("c", 0), 2, detach=True, display="none", run_dir=tmp_path / "expA" / "out"
+    )
+    assert again.id == "out" and again.result(timeout=60) == ["c0", "c1"]

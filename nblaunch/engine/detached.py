@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import pickle
@@ -44,6 +45,8 @@ HOST_LOG = "host.log"
 SOCKET_FILE = "stream.sock"
 # Unix socket paths are limited to 108 bytes; a longer one goes in the registry.
 _MAX_SOCKET_PATH = 100
+# The state of an entry whose host is being started (its id is taken).
+STARTING = "starting"
 # How long the host may take to start (it imports torch and starts a forkserver).
 HOST_START_LIMIT_S = 60.0
 
@@ -171,6 +174,30 @@ def find(run_id: str | None, kind: str | None = None) -> Entry:
     return matches[0]
 
 
+def claim_id(run_dir: Path, kind: str) -> str:
+    """The run's id in the registry: its directory's name, or ``<name>-2``, ``-3``, ... when
+    another directory of that name has it (``run_dir=.../expA/out`` and ``.../expB/out``).
+
+    The entry is made here at once (state ``starting``), so two starts never claim one id; a
+    later run in the same directory takes its id over, as does one whose directory is gone.
+    """
+    registry = registry_dir()
+    for number in itertools.count(1):
+        run_id = run_dir.name if number == 1 else f"{run_dir.name}-{number}"
+        path = registry / f"{run_id}.json"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            held = Entry.read(path)
+            if held is not None and (held.run_dir == run_dir or not held.run_dir.is_dir()):
+                return run_id
+            continue
+        os.close(fd)
+        Entry(run_id, run_dir, 0, "", kind, time.time(), 0, STARTING).write()
+        return run_id
+    raise AssertionError("unreachable")
+
+
 def socket_path(run_dir: Path, run_id: str) -> str:
     """The run directory's ``stream.sock``, or the registry's when that path is too long."""
     path = str(run_dir.resolve() / SOCKET_FILE)
@@ -193,7 +220,13 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         The host did not start, with the end of its log.
     """
     run_dir = run_dir.resolve()
-    launch = {**launch, "sys_path": list(sys.path), "registry": str(registry_dir())}
+    run_id = claim_id(run_dir, launch["kind"])
+    launch = {
+        **launch,
+        "run_id": run_id,
+        "sys_path": list(sys.path),
+        "registry": str(registry_dir()),
+    }
     fd = os.open(run_dir / LAUNCH_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as file:
         pickle.dump(launch, file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -211,7 +244,7 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
     finally:
         os.close(log)
     lease.release()  # the host holds the lock now
-    entry_path = registry_dir() / f"{run_dir.name}.json"
+    entry_path = registry_dir() / f"{run_id}.json"
     deadline = time.monotonic() + HOST_START_LIMIT_S
     while time.monotonic() < deadline:
         entry = Entry.read(entry_path)
@@ -222,6 +255,9 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         time.sleep(0.02)
     else:
         host.kill()
+    left = Entry.read(entry_path)
+    if left is not None and left.state == STARTING:
+        entry_path.unlink(missing_ok=True)  # the id is free again
     tail = (run_dir / HOST_LOG).read_text(errors="replace")[-2000:]
     raise LaunchError(f"the run host did not start (see {run_dir / HOST_LOG}):\n{tail}")
 

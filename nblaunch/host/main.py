@@ -68,9 +68,10 @@ def run_detached(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     plan = dataclasses.replace(launch["plan"], run_lease=None)
     hub = EventHub()
     run = Run(plan, hub)
-    server = StreamServer(detached.socket_path(run_dir, plan.run_id), hub, run.request_stop)
+    run_id = launch.get("run_id", plan.run_id)  # unique in the registry (detached.claim_id)
+    server = StreamServer(detached.socket_path(run_dir, run_id), hub, run.request_stop)
     entry = detached.Entry(
-        run_id=plan.run_id,
+        run_id=run_id,
         run_dir=run_dir,
         pid=os.getpid(),
         socket=server.path,
@@ -83,7 +84,7 @@ def run_detached(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     signal.signal(signal.SIGTERM, lambda *_: run.request_stop())
     server.start()
     entry.write()
-    say(f"run host {os.getpid()} serving {plan.run_id} on {server.path}")
+    say(f"run host {os.getpid()} serving {run_id} on {server.path}")
     outcome: dict[str, Any]
     try:
         outcome = {"values": run.execute(launch["payload"])}

@@ -60,11 +60,12 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     lease.release()
     options = dataclasses.replace(spec["options"], run_dir=run_dir)
     pool = PoolRanks(spec["num_processes"], options, start_timeout=spec["start_timeout"])
+    run_id = launch.get("run_id", run_dir.name)  # unique in the registry (detached.claim_id)
     entry = detached.Entry(
-        run_id=run_dir.name,
+        run_id=run_id,
         run_dir=run_dir,
         pid=os.getpid(),
-        socket=detached.socket_path(run_dir, run_dir.name),
+        socket=detached.socket_path(run_dir, run_id),
         kind="pool",
         started_at=time.time(),
         world_size=0,
