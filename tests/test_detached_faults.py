@@ -236,3 +236,39 @@ def test_two_run_dirs_of_one_name_get_two_ids_each_listed_attached_and_stopped(r
         tagged, ("c", 0), 2, detach=True, display="none", run_dir=tmp_path / "expA" / "out"
     )
     assert again.id == "out" and again.result(timeout=60) == ["c0", "c1"]
+
+
+# --- 5. the view of a lost run ------------------------------------------------------------------
+
+
+def ticking(count):
+    import time
+
+    for i in range(count):
+        print(f"tick {i}", flush=True)
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_the_view_of_a_lost_run_shows_the_rank_logs_tails_and_why_it_is_lost(registry, capsys):
+    handle = nblaunch.notebook_launcher(ticking, (100_000,), 2, detach=True, display="none")
+    entry = detached.find(handle.id)
+    log = handle.run_dir / "rank1.log"
+    assert wait_until(lambda: log.exists() and "tick 20" in log.read_text(), 60)
+    os.kill(entry.pid, signal.SIGKILL)  # the host dies; its ranks follow it
+    assert wait_until(lambda: not processes_of(entry.pid), 15)
+    with pytest.raises(nblaunch.RankFailedError, match="killed"):
+        handle.result(timeout=30)
+    last = log.read_text().splitlines()[-1]
+    later = nblaunch.attach(handle.id)
+    assert later.state == "lost"
+    seen = RecordingView()
+    later.watch(seen)
+    assert seen.of("run_info") and last in lines_of(seen, 1), last
+    (why,) = seen.of("diagnosis")
+    assert "the run is lost" in why["title"] and "killed" in why["body"], why
+    assert str(handle.run_dir) in why["body"] and seen.of("run_ended")
+    capsys.readouterr()
+    later.view("text")
+    shown = capsys.readouterr()
+    assert last in shown.out and "the run is lost" in shown.err, shown

@@ -36,7 +36,8 @@ from nblaunch.engine.history import EventHub
 from nblaunch.engine.plan import LaunchPlan
 from nblaunch.engine.run_dirs import RunLease
 from nblaunch.errors import LaunchError, RankFailedError
-from nblaunch.events import Event, EventSink
+from nblaunch.events import Event, EventSink, diagnosis
+from nblaunch.options import view_lines_from_env
 
 LAUNCH_FILE = "launch.pkl"  # the plan and payload the host runs
 RESULT_FILE = "result.pkl"  # the outcome, once the run ended
@@ -341,6 +342,8 @@ class AttachedRun:
             self._sock.close()
             if self._outcome is None:
                 self._outcome = self._outcome_on_disk()
+                if self._outcome.get("lost"):  # what the view showed live, then why it stops
+                    self.hub.handle_many(lost_run_events(self.entry, with_logs=False))
             self.hub.close()
             self._done.set()
 
@@ -351,6 +354,8 @@ class AttachedRun:
             events = []
         self.hub.handle_many(events)
         self._outcome = self._outcome_on_disk()
+        if self._outcome.get("lost"):
+            self.hub.handle_many(lost_run_events(self.entry, with_logs=not events))
         self.hub.close()
         self._done.set()
 
@@ -358,15 +363,8 @@ class AttachedRun:
         try:
             return pickle.loads((self.entry.run_dir / RESULT_FILE).read_bytes())
         except (OSError, pickle.UnpicklingError, EOFError):
-            return {
-                "error": RankFailedError(
-                    f"the run host (pid {self.entry.pid}) ended without saying how the run "
-                    f"ended; see {self.entry.run_dir / HOST_LOG} and the rank logs there",
-                    rank=0,
-                    world_size=self.entry.world_size,
-                ),
-                "lost": True,
-            }
+            error = RankFailedError(lost_why(self.entry), rank=0, world_size=self.entry.world_size)
+            return {"error": error, "lost": True}
 
     @property
     def state(self) -> str:
@@ -397,3 +395,57 @@ class AttachedRun:
         if "error" in self._outcome:
             raise self._outcome["error"]
         return self._outcome["values"]
+
+
+def lost_why(entry: Entry) -> str:
+    """Why a run is lost, in words: its host ended without leaving the outcome."""
+    return (
+        f"the run host (pid {entry.pid}) ended without saying how the run ended: it was killed "
+        f"(or crashed, or could not write {RESULT_FILE} and no notebook attached while it kept "
+        f"the outcome); the ranks' values are gone. What they printed is in the rank logs in "
+        f"{entry.run_dir}; the host's own log is {entry.run_dir / HOST_LOG}"
+    )
+
+
+def lost_run_events(entry: Entry, with_logs: bool) -> list[Event]:
+    """What a view of a lost run shows: (``with_logs``: its header and the last lines of each
+    rank log, when nothing else was kept), why it is lost, and its end."""
+    events: list[Event] = []
+    if with_logs:
+        try:
+            plan = pickle.loads((entry.run_dir / LAUNCH_FILE).read_bytes())["plan"]
+            events.append(plan.run_info(entry.started_at))
+        except Exception:  # the launch file is gone or unreadable: the header is not needed
+            pass
+        keep = view_lines_from_env()
+        for rank in range(entry.world_size):
+            for line in _tail(entry.run_dir / f"rank{rank}.log", keep):
+                events.append(
+                    {"kind": "stream", "rank": rank, "fd": 1, "text": line, "carriage": False}
+                )
+    host_log = _tail(entry.run_dir / HOST_LOG, 8)
+    body = lost_why(entry) + "."
+    if host_log:
+        body += "\nThe end of host.log:\n" + "\n".join(host_log)
+    title = "the run is lost: its host ended without an outcome"
+    events.append(diagnosis(title, body, "warning", None))
+    ranks = dict.fromkeys(range(entry.world_size), "lost with its host")
+    last_write = entry.started_at  # the run lasted at least until its logs were last written
+    for rank in range(entry.world_size):
+        with contextlib.suppress(OSError):
+            last_write = max(last_write, (entry.run_dir / f"rank{rank}.log").stat().st_mtime)
+    elapsed = last_write - entry.started_at
+    events.append({"kind": "run_ended", "ok": False, "elapsed_s": elapsed, "ranks": ranks})
+    return events
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    """The last ``lines`` lines of a file (its last 256 KiB at most); none when unreadable."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(0, os.SEEK_END)
+            file.seek(max(0, file.tell() - (256 << 10)))
+            text = file.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return text.splitlines()[-lines:]
