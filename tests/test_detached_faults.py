@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import Kernel, wait_until
 from test_detached import processes_of
+from test_disk import failing_disk  # noqa: F401  (a fixture)
 
 import nblaunch
 from nblaunch.engine import detached
@@ -272,3 +273,85 @@ def test_the_view_of_a_lost_run_shows_the_rank_logs_tails_and_why_it_is_lost(reg
     later.view("text")
     shown = capsys.readouterr()
     assert last in shown.out and "the run is lost" in shown.err, shown
+
+
+# --- the sweep ----------------------------------------------------------------------------------
+
+
+def fail_the_disk_midway(trigger):
+    """Print; halfway, rank 0 makes the run directory's disk fail (it turns read-only)."""
+    import time
+    from pathlib import Path
+
+    import nblaunch
+
+    for step in range(400):
+        print(f"step {step}", flush=True)
+        time.sleep(0.005)
+        if step == 200 and nblaunch.rank() == 0:
+            Path(trigger).write_text("1")
+    return nblaunch.rank()
+
+
+@pytest.mark.slow
+def test_a_disk_turned_read_only_mid_run_keeps_a_detached_runs_lines_and_values(
+    registry,
+    failing_disk,  # noqa: F811
+):
+    mount, trigger = failing_disk
+    seen = RecordingView()
+    handle = nblaunch.notebook_launcher(
+        fail_the_disk_midway, (str(trigger),), 2, detach=True, display="none", run_dir=mount / "out"
+    )
+    handle.watch(seen)
+    assert handle.result(timeout=120) == [0, 1]
+    assert wait_until(lambda: seen.of("run_ended"), 30)
+    assert "step 399" in lines_of(seen, 1)
+    entry = detached.find(handle.id)
+    assert detached.host_alive(entry.pid)  # it holds the outcome the disk refused
+    assert "had ended (done)" in cli("stop", handle.id).stdout
+    assert wait_until(lambda: not processes_of(entry.pid), 15)
+
+
+def test_a_full_disk_at_the_start_is_a_clear_error_and_leaves_no_entry(registry, full_disk):
+    (full_disk / "out").mkdir()
+    with open(full_disk / "fill", "wb") as fill:  # fill the disk up
+        with contextlib.suppress(OSError):
+            while True:
+                fill.write(b"x" * 65536)
+    with pytest.raises(nblaunch.LaunchError, match="writing its launch file failed .No space"):
+        nblaunch.notebook_launcher(
+            spam, (1,), 2, detach=True, display="none", run_dir=full_disk / "out"
+        )
+    assert list(registry.glob("*.json")) == []  # the id it claimed is free again
+
+
+def test_a_host_killed_as_it_starts_is_said_with_its_signal(registry, monkeypatch):
+    real_popen = subprocess.Popen
+
+    def popen_then_kill(*args, **kwargs):
+        process = real_popen(*args, **kwargs)
+        process.kill()
+        return process
+
+    monkeypatch.setattr(detached.subprocess, "Popen", popen_then_kill)
+    with pytest.raises(nblaunch.LaunchError, match="did not start .killed by signal 9"):
+        nblaunch.notebook_launcher(spam, (1,), 2, detach=True, display="none")
+    assert list(registry.glob("*.json")) == []
+
+
+def test_rank_logs_that_fail_at_a_flush_stop_once_without_a_closed_file_error(
+    failing_disk,  # noqa: F811
+):
+    from nblaunch.engine.run_files import RunFiles
+
+    mount, trigger = failing_disk
+    troubles = []
+    files = RunFiles(mount / "out", lambda what, path, exc: troubles.append((what, path)))
+    for rank in (0, 1):
+        files.open_rank(rank)
+        files.log_text(rank, "buffered, not yet written\n")
+    trigger.write_text("1")  # the disk turns read-only under the open files
+    files.flush()  # rank 0's flush fails and closes every log: rank 1's is not flushed then
+    files.close()
+    assert [what for what, _ in troubles] == ["rank logs"], troubles

@@ -228,11 +228,20 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         "sys_path": list(sys.path),
         "registry": str(registry_dir()),
     }
-    fd = os.open(run_dir / LAUNCH_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as file:
-        pickle.dump(launch, file, protocol=pickle.HIGHEST_PROTOCOL)
+    entry_path = registry_dir() / f"{run_id}.json"
+    try:
+        fd = os.open(run_dir / LAUNCH_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as file:
+            pickle.dump(launch, file, protocol=pickle.HIGHEST_PROTOCOL)
+        log = os.open(run_dir / HOST_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError as exc:  # a full or read-only disk: the host could not read its launch
+        _free_id(entry_path)
+        raise LaunchError(
+            f"cannot start a detached run in {run_dir}: writing its launch file failed "
+            f"({exc.strerror or exc}). Free the disk, or pass run_dir= a directory you can "
+            "write to"
+        ) from None
     lease_fd = lease.fd
-    log = os.open(run_dir / HOST_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         host = subprocess.Popen(
             [sys.executable, "-m", "nblaunch.host", str(run_dir), str(lease_fd)],
@@ -245,7 +254,6 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
     finally:
         os.close(log)
     lease.release()  # the host holds the lock now
-    entry_path = registry_dir() / f"{run_id}.json"
     deadline = time.monotonic() + HOST_START_LIMIT_S
     while time.monotonic() < deadline:
         entry = Entry.read(entry_path)
@@ -256,11 +264,21 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         time.sleep(0.02)
     else:
         host.kill()
+    _free_id(entry_path)
+    code = host.wait()
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    try:
+        tail = (run_dir / HOST_LOG).read_text(errors="replace")[-2000:]
+    except OSError:
+        tail = ""
+    raise LaunchError(f"the run host did not start ({how}; see {run_dir / HOST_LOG}):\n{tail}")
+
+
+def _free_id(entry_path: Path) -> None:
+    """Give back an id claimed for a host that did not start."""
     left = Entry.read(entry_path)
     if left is not None and left.state == STARTING:
-        entry_path.unlink(missing_ok=True)  # the id is free again
-    tail = (run_dir / HOST_LOG).read_text(errors="replace")[-2000:]
-    raise LaunchError(f"the run host did not start (see {run_dir / HOST_LOG}):\n{tail}")
+        entry_path.unlink(missing_ok=True)
 
 
 def start_run_host(plan: LaunchPlan, payload: bytes, function: str = "") -> Entry:
