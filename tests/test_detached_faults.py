@@ -355,3 +355,41 @@ def test_rank_logs_that_fail_at_a_flush_stop_once_without_a_closed_file_error(
     files.flush()  # rank 0's flush fails and closes every log: rank 1's is not flushed then
     files.close()
     assert [what for what, _ in troubles] == ["rank logs"], troubles
+
+
+def sleep_then(seconds, value):
+    import time
+
+    time.sleep(seconds)
+    return value
+
+
+@pytest.mark.slow
+def test_a_kernel_killed_in_a_pool_cell_does_not_keep_the_next_kernel_out(registry, capfd):
+    pool = nblaunch.start_pool(2, detach=True, display="none")
+    entry = pool.entry
+    pool.detach()
+    # A "kernel" (a process of its own) that uses the pool and exits says nothing at exit.
+    script = "import nblaunch\np = nblaunch.attach_pool()\nprint(p.run(abs, -4), flush=True)\n"
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert ended.stdout.strip() == "[4, 4]" and "Exception ignored" not in ended.stderr, ended
+    # One killed in the middle of a cell: the next one is not refused; it waits for that cell.
+    script = (
+        "import nblaunch, time\np = nblaunch.attach_pool()\nprint('attached', flush=True)\n"
+        "p.run(time.sleep, 4)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "attached"
+        time.sleep(1.0)
+    finally:
+        child.kill()
+        child.wait()
+    capfd.readouterr()
+    began = time.monotonic()
+    again = nblaunch.attach_pool(entry.run_id)
+    assert "taking it over when that cell ends" in capfd.readouterr().out
+    assert time.monotonic() - began < 10
+    assert again.run(sleep_then, 0, 3) == [3, 3]
+    again.close()
+    assert wait_until(lambda: not processes_of(entry.pid), 15)

@@ -150,6 +150,7 @@ class PoolServer:
         self.idle_limit_s = idle_limit_s
         self.client: socket.socket | None = None
         self.client_who = ""  # the attached notebook, in words
+        self.client_alive = False  # False once its connection closed (a killed kernel)
         self.last_active = time.monotonic()
         self.stopping = False
         self._messages: queue.Queue[tuple[str, Any, socket.socket]] = queue.Queue()
@@ -272,12 +273,13 @@ class PoolServer:
                 raise ValueError("no hello")
             hello = message[1]
             holder = self.client_who if self.client is not None else ""
-            if holder and not hello.get("take_over"):
+            if holder and self.client_alive and not hello.get("take_over"):
                 wire.send(sock, REFUSED, {"holder": holder})
                 sock.close()
                 return
-            if holder and self._task_running:
-                wire.send(sock, WAIT, {"holder": holder})
+            if holder and self._task_running:  # the task ends first, its notebook gone or not
+                gone = "" if self.client_alive else ", which went away,"
+                wire.send(sock, WAIT, {"holder": f"{holder}{gone}"})
         except (OSError, EOFError, ValueError, pickle.UnpicklingError):
             sock.close()
             return
@@ -288,7 +290,7 @@ class PoolServer:
         or one taking the pool over from the notebook before (who is told)."""
         who = str(hello.get("who", "another process"))
         if self.client is not None:
-            if not hello.get("take_over"):  # two came at once: the first one won
+            if self.client_alive and not hello.get("take_over"):  # two at once: the first won
                 with contextlib.suppress(OSError):
                     wire.send(sock, REFUSED, {"holder": self.client_who})
                 sock.close()
@@ -301,7 +303,7 @@ class PoolServer:
                 )
                 self.client.shutdown(socket.SHUT_RDWR)
             self.client.close()
-        self.client, self.client_who = sock, who
+        self.client, self.client_who, self.client_alive = sock, who, True
         self.last_active = time.monotonic()
         try:
             wire.send(sock, INFO, pool_info(self.pool))
@@ -321,6 +323,8 @@ class PoolServer:
                     self._messages.put((kind, body, sock))
         except (OSError, EOFError, ValueError):
             pass
+        if sock is self.client:
+            self.client_alive = False  # a newcomer need not be refused for it
         self._messages.put(("gone", None, sock))
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:

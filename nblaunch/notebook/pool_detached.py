@@ -202,9 +202,11 @@ class DetachedPool(Pool):
             pool_ranks._current = None
 
     def __del__(self) -> None:  # the pool goes on without this kernel
-        with contextlib.suppress(Exception):
+        try:  # not contextlib: at interpreter exit module globals may be None already
             if self._sock is not None:
                 self._sock.close()
+        except Exception:
+            pass
 
     # --- tasks -----------------------------------------------------------------------------------
 
