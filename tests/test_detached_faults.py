@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import Kernel, wait_until
 from test_detached import processes_of
@@ -392,4 +393,21 @@ def test_a_kernel_killed_in_a_pool_cell_does_not_keep_the_next_kernel_out(regist
     assert time.monotonic() - began < 10
     assert again.run(sleep_then, 0, 3) == [3, 3]
     again.close()
+    assert wait_until(lambda: not processes_of(entry.pid), 15)
+
+
+def test_a_rank_killed_in_a_detached_run_is_its_failure_and_the_host_ends(registry):
+    handle = nblaunch.notebook_launcher(ticking, (100_000,), 2, detach=True, display="none")
+    entry = detached.find(handle.id)
+    log = handle.run_dir / "rank1.log"
+    assert wait_until(lambda: log.exists() and "tick 5" in log.read_text(), 60)
+    forkserver = next(
+        p for p in psutil.Process(entry.pid).children() if "forkserver" in " ".join(p.cmdline())
+    )
+    ranks = forkserver.children()
+    assert len(ranks) == 2
+    ranks[-1].kill()
+    with pytest.raises(nblaunch.RankFailedError, match="killed by SIGKILL"):
+        handle.result(timeout=60)
+    assert handle.state == "failed"
     assert wait_until(lambda: not processes_of(entry.pid), 15)
