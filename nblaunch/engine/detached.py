@@ -117,6 +117,8 @@ class Entry:
         """The state, with a host that died without saying so as ``lost``."""
         if self.state == RUNNING and not host_alive(self.pid):
             return LOST
+        if self.state == STARTING and time.time() - self.started_at > HOST_START_LIMIT_S:
+            return LOST  # the kernel that claimed the id died before its host started
         return self.state
 
 
