@@ -120,6 +120,43 @@ def test_a_full_disk_loses_neither_the_values_nor_a_line_of_a_detached_run(regis
 
 
 @pytest.mark.slow
+def test_in_a_kernel_the_launch_cells_view_of_a_full_disk_run_gets_every_line(
+    registry, full_disk, tmp_path
+):
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(
+            "import nblaunch, time\n"
+            "import nblaunch.notebook.views.choose as choose\n"
+            "made = []\nmake_view = choose.make_view\n"
+            "choose.make_view = lambda display: made.append(make_view(display)) or made[-1]\n"
+            "def spam(lines):\n"
+            "    import time, torch.distributed as dist\n"
+            "    rank = dist.get_rank()\n"
+            "    time.sleep(2)\n"
+            "    for i in range(lines):\n"
+            "        print(f'rank {rank} line {i:08d} ' + 'x' * 42)\n"
+            "    return rank + 100\n"
+        )
+        cell = kernel.run(
+            f"h = nblaunch.notebook_launcher(spam, (50_000,), 2, detach=True, "
+            f"run_dir={str(full_disk / 'out')!r})"
+        )
+        assert cell["error"] is None, cell
+        got = kernel.run(
+            "print(h.result(timeout=180))\n"
+            "deadline = time.monotonic() + 120\n"
+            "while made[0].model.lines_received < 100_000 and time.monotonic() < deadline:\n"
+            "    time.sleep(0.1)\n"
+            "print(made[0].model.lines_received)",
+            timeout=320,
+        )
+        assert got["out"].split()[-3:] == ["[100,", "101]", "100000"], got
+    finally:
+        kernel.close()
+
+
+@pytest.mark.slow
 def test_a_held_outcome_is_written_once_the_disk_has_room_and_the_host_ends(
     registry, full_disk, monkeypatch
 ):
