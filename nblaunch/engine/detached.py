@@ -48,6 +48,8 @@ SOCKET_FILE = "stream.sock"
 _MAX_SOCKET_PATH = 100
 # The state of an entry whose host is being started (its id is taken).
 STARTING = "starting"
+# How long attaching to an ended run whose host holds its outcome waits for it.
+HELD_OUTCOME_WAIT_S = 10.0
 # How long the host may take to start (it imports torch and starts a forkserver).
 HOST_START_LIMIT_S = 60.0
 
@@ -320,7 +322,9 @@ class AttachedRun:
         self._sock: socket.socket | None = None
         if view is not None:
             self.hub.watch(view)
-        if host_alive(entry.pid):  # going, or ended and its host still hands out the outcome
+        ended = entry.state != RUNNING
+        on_disk = ended and (entry.run_dir / RESULT_FILE).exists()
+        if host_alive(entry.pid) and not on_disk:  # going, or ended and its host holds the outcome
             try:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._sock.connect(entry.socket)
@@ -337,6 +341,8 @@ class AttachedRun:
         thread = threading.Thread(target=self._read, name=f"nblaunch-attach-{self.run_id}")
         thread.daemon = True
         thread.start()
+        if ended:  # the host sends a held outcome at once: the state is known from the start
+            self._done.wait(HELD_OUTCOME_WAIT_S)
 
     def watch(self, view: EventSink) -> None:
         """Show the run in ``view``: what the host kept, then live (a connection of its own)."""
