@@ -187,6 +187,7 @@ def run_runs(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         print(f"nblaunch runs stop: {exc}", file=sys.stderr)
         return 1
+    ended = entry.live_state != "running"  # a host may still hold the outcome of an ended run
     if not detached.stop_host(entry):
         print(f"{entry.run_id} is not running ({entry.live_state})")
         return 0
@@ -196,7 +197,13 @@ def run_runs(args: argparse.Namespace) -> int:
     if detached.host_alive(entry.pid):
         print(f"{entry.run_id}: its host (pid {entry.pid}) is still stopping", file=sys.stderr)
         return 1
-    print(f"{entry.run_id} stopped")
+    if ended:
+        print(
+            f"{entry.run_id} had ended ({entry.live_state}); its host, which kept the outcome "
+            "the disk refused, let it go"
+        )
+    else:
+        print(f"{entry.run_id} stopped")
     return 0
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -35,19 +35,25 @@ from nblaunch import tracebacks
 from nblaunch.engine import wire
 from nblaunch.engine.background import LOST, RUNNING, state_of
 from nblaunch.engine.history import EventHub
+from nblaunch.engine.host_files import (
+    HISTORY_FILE,
+    HOST_LOG,
+    LAUNCH_FILE,
+    RESULT_FILE,
+    SOCKET_FILE,
+)
+from nblaunch.engine.lost_runs import lost_run_events, lost_why
 from nblaunch.engine.plan import LaunchPlan
 from nblaunch.engine.run_dirs import RunLease
 from nblaunch.errors import LaunchError, RankFailedError
 from nblaunch.events import Event, EventSink
 
-LAUNCH_FILE = "launch.pkl"  # the plan and payload the host runs
-RESULT_FILE = "result.pkl"  # the outcome, once the run ended
-HISTORY_FILE = "history.pkl"  # what a view of the ended run shows
-HOST_LOG = "host.log"
-SOCKET_FILE = "stream.sock"
-HOLDER_FILE = "holder.json"  # a detached pool's attached process: {"pid": ..., "since": ...}
 # Unix socket paths are limited to 108 bytes; a longer one goes in the registry.
 _MAX_SOCKET_PATH = 100
+# The state of an entry whose host is being started (its id is taken).
+STARTING = "starting"
+# How long attaching to an ended run whose host holds its outcome waits for it.
+HELD_OUTCOME_WAIT_S = 10.0
 # How long the host may take to start (it imports torch and starts a forkserver).
 HOST_START_LIMIT_S = 60.0
 # How long a handle's end waits for the views it started to show the run's end (their own
@@ -120,6 +126,8 @@ class Entry:
         """The state, with a host that died without saying so as ``lost``."""
         if self.state == RUNNING and not host_alive(self.pid):
             return LOST
+        if self.state == STARTING and time.time() - self.started_at > HOST_START_LIMIT_S:
+            return LOST  # the kernel that claimed the id died before its host started
         return self.state
 
 
@@ -178,6 +186,30 @@ def find(run_id: str | None, kind: str | None = None) -> Entry:
     return matches[0]
 
 
+def claim_id(run_dir: Path, kind: str) -> str:
+    """The run's id in the registry: its directory's name, or ``<name>-2``, ``-3``, ... when
+    another directory of that name has it (``run_dir=.../expA/out`` and ``.../expB/out``).
+
+    The entry is made here at once (state ``starting``), so two starts never claim one id; a
+    later run in the same directory takes its id over, as does one whose directory is gone.
+    """
+    registry = registry_dir()
+    for number in itertools.count(1):
+        run_id = run_dir.name if number == 1 else f"{run_dir.name}-{number}"
+        path = registry / f"{run_id}.json"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            held = Entry.read(path)
+            if held is not None and (held.run_dir == run_dir or not held.run_dir.is_dir()):
+                return run_id
+            continue
+        os.close(fd)
+        Entry(run_id, run_dir, 0, "", kind, time.time(), 0, STARTING).write()
+        return run_id
+    raise AssertionError("unreachable")
+
+
 def socket_path(run_dir: Path, run_id: str) -> str:
     """The run directory's ``stream.sock``, or the registry's when that path is too long."""
     path = str(run_dir.resolve() / SOCKET_FILE)
@@ -200,12 +232,27 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         The host did not start, with the end of its log.
     """
     run_dir = run_dir.resolve()
-    launch = {**launch, "sys_path": list(sys.path), "registry": str(registry_dir())}
-    fd = os.open(run_dir / LAUNCH_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as file:
-        pickle.dump(launch, file, protocol=pickle.HIGHEST_PROTOCOL)
+    run_id = claim_id(run_dir, launch["kind"])
+    launch = {
+        **launch,
+        "run_id": run_id,
+        "sys_path": list(sys.path),
+        "registry": str(registry_dir()),
+    }
+    entry_path = registry_dir() / f"{run_id}.json"
+    try:
+        fd = os.open(run_dir / LAUNCH_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as file:
+            pickle.dump(launch, file, protocol=pickle.HIGHEST_PROTOCOL)
+        log = os.open(run_dir / HOST_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError as exc:  # a full or read-only disk: the host could not read its launch
+        _free_id(entry_path)
+        raise LaunchError(
+            f"cannot start a detached run in {run_dir}: writing its launch file failed "
+            f"({exc.strerror or exc}). Free the disk, or pass run_dir= a directory you can "
+            "write to"
+        ) from None
     lease_fd = lease.fd
-    log = os.open(run_dir / HOST_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         host = subprocess.Popen(
             [sys.executable, "-m", "nblaunch.host", str(run_dir), str(lease_fd)],
@@ -222,7 +269,6 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
     reaper = threading.Thread(target=host.wait, name=f"nblaunch-reap-{host.pid}", daemon=True)
     reaper.start()
     lease.release()  # the host holds the lock now
-    entry_path = registry_dir() / f"{run_dir.name}.json"
     deadline = time.monotonic() + HOST_START_LIMIT_S
     while time.monotonic() < deadline:
         entry = Entry.read(entry_path)
@@ -233,9 +279,21 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         time.sleep(0.02)
     else:
         host.kill()
-        reaper.join(5.0)
-    tail = (run_dir / HOST_LOG).read_text(errors="replace")[-2000:]
-    raise LaunchError(f"the run host did not start (see {run_dir / HOST_LOG}):\n{tail}")
+    _free_id(entry_path)
+    code = host.wait()
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    try:
+        tail = (run_dir / HOST_LOG).read_text(errors="replace")[-2000:]
+    except OSError:
+        tail = ""
+    raise LaunchError(f"the run host did not start ({how}; see {run_dir / HOST_LOG}):\n{tail}")
+
+
+def _free_id(entry_path: Path) -> None:
+    """Give back an id claimed for a host that did not start."""
+    left = Entry.read(entry_path)
+    if left is not None and left.state == STARTING:
+        entry_path.unlink(missing_ok=True)
 
 
 def start_run_host(plan: LaunchPlan, payload: bytes, function: str = "") -> Entry:
@@ -283,20 +341,27 @@ class AttachedRun:
         self._links: dict[int, AttachedRun] = {}  # each watching view's own connection
         if view is not None:
             self.hub.watch(view)
-        if entry.live_state == RUNNING:
+        ended = entry.state != RUNNING
+        on_disk = ended and (entry.run_dir / RESULT_FILE).exists()
+        if host_alive(entry.pid) and not on_disk:  # going, or ended and its host holds the outcome
             try:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._sock.connect(entry.socket)
-                if view is None:
-                    wire.send(self._sock, wire.QUIET, None)
             except OSError:
                 self._sock = None  # it ended a moment ago: read what it left
+            if self._sock is not None and view is None:
+                # A host that holds an ended run's outcome may have sent it all and shut its
+                # side already: what it sent is still there to read.
+                with contextlib.suppress(OSError):
+                    wire.send(self._sock, wire.QUIET, None)
         if self._sock is None:
             self._read_ended()
             return
         thread = threading.Thread(target=self._read, name=f"nblaunch-attach-{self.run_id}")
         thread.daemon = True
         thread.start()
+        if ended:  # the host sends a held outcome at once: the state is known from the start
+            self._done.wait(HELD_OUTCOME_WAIT_S)
 
     def watch(self, view: EventSink) -> None:
         """Show the run in ``view``: what the host kept, then live (a connection of its own)."""
@@ -333,6 +398,8 @@ class AttachedRun:
             self._sock.close()
             if self._outcome is None:
                 self._outcome = self._outcome_on_disk()
+                if self._outcome.get("lost"):  # what the view showed live, then why it stops
+                    self.hub.handle_many(lost_run_events(self.entry, with_logs=False))
             self.hub.close()
             self._views_ended()
             self._done.set()
@@ -344,6 +411,8 @@ class AttachedRun:
             events = []
         self.hub.handle_many(self._unseen(events))
         self._outcome = self._outcome_on_disk()
+        if self._outcome.get("lost"):
+            self.hub.handle_many(lost_run_events(self.entry, with_logs=not events))
         self.hub.close()
         self._done.set()
 
@@ -377,15 +446,8 @@ class AttachedRun:
         try:
             return self._readable(pickle.loads((self.entry.run_dir / RESULT_FILE).read_bytes()))
         except (OSError, pickle.UnpicklingError, EOFError):
-            return {
-                "error": RankFailedError(
-                    f"the run host (pid {self.entry.pid}) ended without saying how the run "
-                    f"ended; see {self.entry.run_dir / HOST_LOG} and the rank logs there",
-                    rank=0,
-                    world_size=self.entry.world_size,
-                ),
-                "lost": True,
-            }
+            error = RankFailedError(lost_why(self.entry), rank=0, world_size=self.entry.world_size)
+            return {"error": error, "lost": True}
 
     @property
     def state(self) -> str:
@@ -417,34 +479,3 @@ class AttachedRun:
             # Raising adds the caller's frames to the traceback: start from the ranks' again.
             raise self._outcome["error"].with_traceback(self._error_tb)
         return self._outcome["values"]
-
-
-def peer_pid(sock: socket.socket) -> int | None:
-    """The pid of the process at the other end of a Unix socket (as it connected), if known."""
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (OSError, AttributeError):  # AttributeError: no SO_PEERCRED off Linux
-        return None
-    return struct.unpack("3i", creds)[0] or None
-
-
-def write_holder(run_dir: Path, pid: int | None) -> None:
-    """Say which process holds a detached pool now (None: none), for the runs panel."""
-    path = run_dir / HOLDER_FILE
-    if pid is None:
-        path.unlink(missing_ok=True)
-        return
-    partial = path.with_suffix(".tmp")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as file:
-        json.dump({"pid": pid, "since": time.time()}, file)
-    os.replace(partial, path)
-
-
-def holder_of(run_dir: Path) -> dict[str, Any] | None:
-    """What :func:`write_holder` last wrote, or None."""
-    try:
-        found = json.loads((run_dir / HOLDER_FILE).read_text())
-        return found if isinstance(found.get("pid"), int) else None
-    except (OSError, ValueError, AttributeError):
-        return None

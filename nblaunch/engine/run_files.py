@@ -108,6 +108,8 @@ class RunFiles:
     def flush(self) -> None:
         """Write out what the files buffer."""
         for rank, log in list(self._logs.items()):
+            if LOGS in self.failed:
+                break  # an earlier rank's failed: every log file is closed now
             try:
                 log.flush()
             except OSError as exc:

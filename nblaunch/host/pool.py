@@ -8,6 +8,13 @@ running task as the interrupt button would; ``("status", None)``, ``("restart", 
 ``("close", None)``. A notebook that attaches later (a new kernel) replaces the one before and is
 sent ``("info", {...})``. The pool ends on ``close``, on SIGTERM (``nblaunch runs stop``) or when
 it was idle for its idle limit.
+
+One notebook drives the pool at a time. A notebook says who it is first (``("hello", {"who":
+..., "take_over": bool})``). While another one is attached, it is refused (``("refused",
+{"holder": ...})``) unless it asks to take over: then the one before is told who took the pool
+(``("taken", {"by": ...})``) and let go, after its running cell, if any, ended (the newcomer is
+told it waits: ``("wait", {...})``). When the pool ends for another reason than its notebook's
+``close`` (SIGTERM, the idle limit), the notebook is told why (``("ended", {"why": ...})``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -25,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
-from nblaunch.engine import detached, wire
+from nblaunch.engine import detached, pool_holder, wire
 from nblaunch.engine.background import RUNNING, STOPPED
 from nblaunch.engine.pool_ranks import PoolRanks
 from nblaunch.engine.run_dirs import RunLease
@@ -40,6 +48,9 @@ INFO, STATUS, TASK, INTERRUPT, RESTART, CLOSE = (
     "restart",
     "close",
 )
+HELLO, REFUSED, TAKEN, WAIT, ENDED = "hello", "refused", "taken", "wait", "ended"
+# How long a notebook that connected may take to say who it is.
+_HELLO_S = 10.0
 # How often the host looks at its idle limit (and at SIGTERM).
 _TICK_S = 0.5
 
@@ -51,11 +62,12 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     lease.release()
     options = dataclasses.replace(spec["options"], run_dir=run_dir)
     pool = PoolRanks(spec["num_processes"], options, start_timeout=spec["start_timeout"])
+    run_id = launch.get("run_id", run_dir.name)  # unique in the registry (detached.claim_id)
     entry = detached.Entry(
-        run_id=run_dir.name,
+        run_id=run_id,
         run_dir=run_dir,
         pid=os.getpid(),
-        socket=detached.socket_path(run_dir, run_dir.name),
+        socket=detached.socket_path(run_dir, run_id),
         kind="pool",
         started_at=time.time(),
         world_size=0,
@@ -68,12 +80,23 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
         print(f"pool host {os.getpid()}: the pool did not start: {exc!r}", flush=True)
         return 0
     server = PoolServer(entry.socket, pool, spec["idle_limit_s"])
-    server.on_holder = lambda pid: detached.write_holder(run_dir, pid)  # the runs panel shows it
+    server.on_holder = lambda pid: pool_holder.write_holder(run_dir, pid)  # the runs panel shows it
     entry.world_size = pool.world_size
     entry.write()
     print(f"pool host {os.getpid()} serving {entry.run_id} on {server.path}", flush=True)
     try:
         why = server.serve()
+        if why == "stopped":
+            server.tell_ended(
+                f"the detached pool {entry.run_id} was stopped from outside at "
+                f"{time.strftime('%H:%M:%S')} (SIGTERM to its host pid {os.getpid()}, e.g. "
+                f"nblaunch runs stop {entry.run_id})"
+            )
+        elif why == "idle":
+            server.tell_ended(
+                f"the detached pool {entry.run_id} ended at {time.strftime('%H:%M:%S')}: no cell "
+                f"for {server.idle_limit_s:g} s (its idle limit)"
+            )
     finally:
         pool.close()
         server.close()
@@ -129,6 +152,8 @@ class PoolServer:
         self.pool = pool
         self.idle_limit_s = idle_limit_s
         self.client: socket.socket | None = None
+        self.client_who = ""  # the attached notebook, in words
+        self.client_alive = False  # False once its connection closed (a killed kernel)
         self.last_active = time.monotonic()
         self.stopping = False
         self._messages: queue.Queue[tuple[str, Any, socket.socket]] = queue.Queue()
@@ -161,7 +186,7 @@ class PoolServer:
                     return "idle"
                 continue
             if kind == "connect":
-                self._take_over(sock)
+                self._take_over(sock, body)
             elif kind == "gone":
                 if sock is self.client:
                     self.client = None
@@ -169,6 +194,12 @@ class PoolServer:
             elif sock is self.client and self._answer(kind, body, sock):
                 return "closed"
             del kind, body, sock  # a task's payload is not kept while the pool idles
+
+    def tell_ended(self, why: str) -> None:
+        """Tell the attached notebook why the pool ends (not its own ``close``)."""
+        if self.client is not None:
+            with contextlib.suppress(OSError):
+                wire.send(self.client, ENDED, {"why": why})
 
     def close(self) -> None:
         self.sock.close()
@@ -236,16 +267,53 @@ class PoolServer:
                 sock, _ = self.sock.accept()
             except OSError:
                 return
-            self._messages.put(("connect", None, sock))
+            threading.Thread(target=self._greet, args=(sock,), daemon=True).start()
 
-    def _take_over(self, sock: socket.socket) -> None:
-        """A notebook attached: it replaces the one before (a restarted kernel's)."""
+    def _greet(self, sock: socket.socket) -> None:
+        """Read who connected; refuse at once while another notebook drives the pool, unless
+        it takes over (told to wait while that notebook's cell runs)."""
+        try:
+            sock.settimeout(_HELLO_S)
+            message = wire.receive(sock)
+            sock.settimeout(None)
+            if message is None or message[0] != HELLO:
+                raise ValueError("no hello")
+            hello = message[1]
+            holder = self.client_who if self.client is not None else ""
+            if holder and self.client_alive and not hello.get("take_over"):
+                wire.send(sock, REFUSED, {"holder": holder})
+                sock.close()
+                return
+            if holder and self._task_running:  # the task ends first, its notebook gone or not
+                gone = "" if self.client_alive else ", which went away,"
+                wire.send(sock, WAIT, {"holder": f"{holder}{gone}"})
+        except (OSError, EOFError, ValueError, pickle.UnpicklingError):
+            sock.close()
+            return
+        self._messages.put(("connect", hello, sock))
+
+    def _take_over(self, sock: socket.socket, hello: dict[str, Any]) -> None:
+        """A notebook attached: the first, one whose notebook went away (a restarted kernel's),
+        or one taking the pool over from the notebook before (who is told)."""
+        who = str(hello.get("who", "another process"))
         if self.client is not None:
+            if self.client_alive and not hello.get("take_over"):  # two at once: the first won
+                with contextlib.suppress(OSError):
+                    wire.send(sock, REFUSED, {"holder": self.client_who})
+                sock.close()
+                return
+            with contextlib.suppress(OSError):
+                wire.send(
+                    self.client,
+                    TAKEN,
+                    {"by": who, "at": time.strftime("%H:%M:%S")},
+                )
+                self.client.shutdown(socket.SHUT_RDWR)
             self.client.close()
-        self.client = sock
+        self.client, self.client_who, self.client_alive = sock, who, True
         self.last_active = time.monotonic()
         with contextlib.suppress(OSError):
-            self.on_holder(detached.peer_pid(sock))
+            self.on_holder(pool_holder.peer_pid(sock))
         try:
             wire.send(sock, INFO, pool_info(self.pool))
         except OSError:
@@ -265,6 +333,8 @@ class PoolServer:
                 del message, body  # not held while waiting for the next one
         except (OSError, EOFError, ValueError):
             pass
+        if sock is self.client:
+            self.client_alive = False  # a newcomer need not be refused for it
         self._messages.put(("gone", None, sock))
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:

@@ -13,6 +13,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from typing import Any
 
 from nblaunch.engine import wire
@@ -22,6 +23,9 @@ from nblaunch.events import Event
 MAX_QUEUED = 200_000
 # Events sent in one message at most (a batch is one pickle and one system call).
 MAX_BATCH = 5_000
+# A notebook that takes nothing for this long is given up when the run ends (its kernel is
+# stuck or stopped); one that keeps reading is waited for, however long its history.
+STALL_S = 30.0
 _END = object()  # after it the client's thread sends the outcome and stops
 
 
@@ -42,6 +46,7 @@ class ClientFeed:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._queued = 0  # events queued and not yet sent (roughly: two threads count it)
         self.outcome: bytes | None = None
+        self.delivered = False  # the outcome reached the notebook's socket
         self.sender = threading.Thread(target=self._send, name="nblaunch-feed", daemon=True)
         self.reader = threading.Thread(target=self._read, name="nblaunch-commands", daemon=True)
 
@@ -88,17 +93,30 @@ class ClientFeed:
                 if item is _END:
                     if self.outcome is not None:
                         wire.send(self.sock, wire.OUTCOME, self.outcome)
+                        self.delivered = True
                         wire.send(self.sock, wire.CLOSED, None)
                     return
                 for start in range(0, len(item), MAX_BATCH):
-                    wire.send(self.sock, wire.EVENTS, item[start : start + MAX_BATCH])
-                self._queued -= len(item)
+                    chunk = item[start : start + MAX_BATCH]
+                    wire.send(self.sock, wire.EVENTS, chunk)
+                    self._queued -= len(chunk)  # progress, for drain()
         except OSError:
             pass  # the notebook went away; the run goes on
         finally:
             self.gone = True
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
+
+    def drain(self, stall_s: float = STALL_S) -> None:
+        """Wait until the notebook took everything queued and the outcome, or took nothing for
+        ``stall_s`` seconds."""
+        last, since = self._queued, time.monotonic()
+        while self.sender.is_alive():
+            self.sender.join(0.2)
+            if self._queued != last:
+                last, since = self._queued, time.monotonic()
+            elif time.monotonic() - since > stall_s:
+                return
 
     def _read(self) -> None:
         try:
@@ -145,6 +163,7 @@ class StreamServer:
         self.clients: list[ClientFeed] = []
         self._lock = threading.Lock()
         self._outcome: bytes | None = None
+        self._delivered = False  # a notebook took the outcome, and may have hung up since
         if os.path.exists(path):
             os.unlink(path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -176,19 +195,31 @@ class StreamServer:
     def _forget(self, feed: ClientFeed) -> None:
         """A client hung up: no more events for it (each attach would leave a feed behind)."""
         with self._lock:
+            self._delivered = self._delivered or feed.delivered
             if feed in self.clients:
                 self.clients.remove(feed)
         self.hub.unwatch(feed)
 
-    def finish(self, outcome: bytes, limit_s: float = 5.0) -> None:
-        """Send every client the outcome after its last events; wait up to ``limit_s`` for them."""
+    def finish(self, outcome: bytes, stall_s: float = STALL_S) -> None:
+        """Send every client the outcome after its last events, and wait until each took them
+        (or took nothing for ``stall_s``). Clients that attach later get it too, until
+        :meth:`close`."""
         with self._lock:
             self._outcome = outcome
-            for feed in self.clients:
-                feed.end(outcome)
             feeds = list(self.clients)
+            for feed in feeds:
+                feed.end(outcome)
         for feed in feeds:
-            feed.sender.join(limit_s)
+            feed.drain(stall_s)
+
+    @property
+    def delivered(self) -> bool:
+        """Whether a notebook has been handed the outcome (also one that has hung up since)."""
+        with self._lock:
+            return self._delivered or any(feed.delivered for feed in self.clients)
+
+    def close(self) -> None:
+        """Stop listening (the run's host is about to end)."""
         self.sock.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine import detached, wire
+from nblaunch.engine import detached, pool_holder, wire
 from nblaunch.engine.background import RUNNING
 from nblaunch.engine.run_dirs import is_live
 from nblaunch.errors import LaunchError
@@ -327,7 +327,7 @@ def _holder(entry: detached.Entry) -> dict[str, Any] | None:
     """The process a detached pool's host serves now (a kernel), while it lives."""
     if entry.kind != "pool":
         return None
-    holder = detached.holder_of(entry.run_dir)
+    holder = pool_holder.holder_of(entry.run_dir)
     if holder is None or not os.path.exists(f"/proc/{holder['pid']}"):
         return None
     return {"pid": holder["pid"], "since": holder.get("since")}

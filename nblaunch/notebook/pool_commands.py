@@ -103,11 +103,19 @@ def dist_start(line: str) -> None:
 
 
 def dist_attach(line: str) -> None:
-    """``%dist attach [ID]``: connect this kernel to a detached pool (default: the newest)."""
+    """``%dist attach [ID] [--take-over]``: connect this kernel to a detached pool (default: the
+    newest); ``--take-over`` also when another kernel drives it (that kernel is told)."""
+    from IPython.core.error import UsageError
+
     from nblaunch.notebook.pool_detached import attach_pool
 
+    words = line.split()
+    take_over = "--take-over" in words
+    words = [word for word in words if word != "--take-over"]
+    if len(words) > 1 or any(word.startswith("-") for word in words):
+        raise UsageError(f"%dist attach [ID] [--take-over]: got {line!r}")
     try:
-        pool = attach_pool(line.strip() or None)
+        pool = attach_pool(words[0] if words else None, take_over=take_over)
     except LaunchError as exc:
         raise _usage_error(exc) from None
     print(
@@ -123,7 +131,11 @@ def dist_stop(line: str) -> None:
         print("nblaunch pool: none is running")
         return
     n = pool.world_size
-    pool.close()
+    try:
+        pool.close()
+    except LaunchError as exc:  # a detached pool another kernel took, or that ended elsewhere
+        print(f"nblaunch pool: nothing stopped here: {exc}")
+        return
     print(f"nblaunch pool: stopped {n} rank(s); %%distributed cells now launch fresh ranks")
 
 
@@ -162,11 +174,13 @@ def dist_restart(line: str) -> None:
 def dist_status(line: str) -> None:
     """``%dist status``: ranks, pids, state, memory, and the names cells defined."""
     pool = current_pool()
-    print(
-        pool.status_text()
-        if pool is not None
-        else "nblaunch pool: none is running; %dist start -n N starts one"
-    )
+    if pool is None:
+        print("nblaunch pool: none is running; %dist start -n N starts one")
+        return
+    try:
+        print(pool.status_text())
+    except LaunchError as exc:  # a detached pool another kernel took, or that ended elsewhere
+        print(f"nblaunch pool: {exc}")
 
 
 # --- %dist debug / pull / push ------------------------------------------------------------------
@@ -225,6 +239,8 @@ def dist_pull(line: str) -> None:
     (chosen,) = parse_ranks(rank if rank is not None else 0, pool.world_size)
     try:
         value = pool.pull(name, chosen)
+    except LaunchError as exc:
+        raise _usage_error(exc) from None
     except TypeError as exc:  # the value cannot be pickled back: the person's input, not a bug
         from IPython.core.error import UsageError
 

@@ -7,15 +7,23 @@ with the names earlier cells defined. Cells, ``%dist push/pull/status/restart/st
 pool of the kernel's own: every task still runs through the pool's engine, in the host, and its
 events come back to this cell's view. The pool ends on ``%dist stop`` (``close()``), on
 ``nblaunch runs stop ID``, or after ``idle_limit`` seconds without a cell.
+
+One kernel drives a detached pool at a time: attaching while another kernel is attached is
+refused, naming it, unless ``take_over=True`` (``%dist attach --take-over``). The kernel that
+lost the pool (taken over, stopped from a terminal, idle too long, its host killed) is told so
+in words by its next use of it, and the pool is closed here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import select
 import socket
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
@@ -107,8 +115,9 @@ class DetachedPool(Pool):
         return self
 
     @classmethod
-    def attach(cls, run_id: str | None = None) -> DetachedPool:
-        """Connect to a detached pool of this machine (default: the newest still running)."""
+    def attach(cls, run_id: str | None = None, take_over: bool = False) -> DetachedPool:
+        """Connect to a detached pool of this machine (default: the newest still running);
+        ``take_over``: also when another kernel drives it (that kernel is told)."""
         current = pool_ranks.current_pool()
         if current is not None:
             if getattr(current, "detached", False) and current.state is not PoolState.CLOSED:
@@ -116,17 +125,32 @@ class DetachedPool(Pool):
             raise LaunchError(f"a pool is already running here: {current.describe()}")
         entry = detached.find(run_id, kind="pool")
         pool = cls()
-        pool._connect(entry)
+        pool._connect(entry, take_over)
         return pool
 
-    def _connect(self, entry: detached.Entry) -> None:
+    def _connect(self, entry: detached.Entry, take_over: bool = False) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(entry.socket)
+            wire.send(sock, "hello", {"who": who_am_i(), "take_over": take_over})
             message = wire.receive(sock)
+            if message is not None and message[0] == "wait":
+                print(
+                    f"nblaunch pool: {message[1]['holder']} is running a cell on the pool; "
+                    "taking it over when that cell ends",
+                    flush=True,
+                )
+                message = wire.receive(sock)
         except OSError as exc:
             sock.close()
             raise LaunchError(f"cannot reach the pool's host (pid {entry.pid}): {exc}") from None
+        if message is not None and message[0] == "refused":
+            sock.close()
+            raise LaunchError(
+                f"the detached pool {entry.run_id} is driven by {message[1]['holder']}; one "
+                f"kernel drives a pool at a time. %dist attach {entry.run_id} --take-over (or "
+                "attach_pool(take_over=True)) takes it over; that kernel is told"
+            )
         if message is None or message[0] != "info":
             sock.close()
             raise LaunchError(f"the pool's host (pid {entry.pid}) did not answer")
@@ -143,6 +167,7 @@ class DetachedPool(Pool):
     def _close(self, rejoin: bool) -> None:
         if self.state is PoolState.CLOSED or self._sock is None:
             return
+        self._check_connection()
         if rejoin:  # restart(): fresh ranks, in the same host
             info = self._ask("restart", "info")
             self._take_info(info)
@@ -178,9 +203,11 @@ class DetachedPool(Pool):
             pool_ranks._current = None
 
     def __del__(self) -> None:  # the pool goes on without this kernel
-        with contextlib.suppress(Exception):
+        try:  # not contextlib: at interpreter exit module globals may be None already
             if self._sock is not None:
                 self._sock.close()
+        except Exception:
+            pass
 
     # --- tasks -----------------------------------------------------------------------------------
 
@@ -216,7 +243,10 @@ class DetachedPool(Pool):
         guard = TaskGuard()  # an interrupt only counts: it is sent, never half-read
         previous = guard.install()
         try:
-            wire.send(self._sock, "task", request)
+            try:
+                wire.send(self._sock, "task", request)
+            except OSError:
+                self._lost()
             outcome = self._follow(view, guard)
         finally:
             guard.uninstall(previous)
@@ -234,16 +264,14 @@ class DetachedPool(Pool):
             while True:
                 if guard.interrupts > sent_interrupts:
                     sent_interrupts = guard.interrupts
-                    wire.send(self._sock, "interrupt", None)
+                    with contextlib.suppress(OSError):  # a host gone is told below
+                        wire.send(self._sock, "interrupt", None)
                 if not select.select([self._sock], [], [], 0.05)[0]:
                     view.flush()
                     continue
-                message = wire.receive(self._sock)
-                if message is None:
-                    raise LaunchError(
-                        f"the pool's host (pid {self.entry.pid if self.entry else '?'}) went "
-                        "away during the cell; see host.log in the pool's run directory"
-                    )
+                message = self._receive()
+                if message is None or message[0] in ("taken", "ended"):
+                    self._lost(message, during_cell=True)
                 kind, body = message
                 if kind == wire.EVENTS:
                     for event in body:
@@ -255,16 +283,75 @@ class DetachedPool(Pool):
             view.close()
 
     def _ask(self, kind: str, answer: str) -> Any:
-        assert self._sock is not None
-        wire.send(self._sock, kind, None)
-        while (message := wire.receive(self._sock)) is not None:
+        if self._sock is None:
+            raise LaunchError("the detached pool is not attached here: %dist attach")
+        self._check_connection()
+        try:
+            wire.send(self._sock, kind, None)
+        except OSError:
+            self._lost()
+        while (message := self._receive()) is not None:
             if message[0] == answer:
                 return message[1]
-        raise LaunchError("the pool's host went away")
+            if message[0] in ("taken", "ended"):
+                break
+        self._lost(message)
+
+    def _receive(self) -> tuple[str, Any] | None:
+        """The host's next message; None when it is gone (a reset socket too)."""
+        assert self._sock is not None
+        try:
+            return wire.receive(self._sock)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None
+
+    def _check_connection(self) -> None:
+        """Say why the pool is no longer this kernel's, if the host said so meanwhile (another
+        kernel took it, it was stopped) or went away; nothing when all is well."""
+        if self._sock is not None and select.select([self._sock], [], [], 0)[0]:
+            self._lost(self._receive())
+
+    def _lost(self, message: tuple[str, Any] | None = None, during_cell: bool = False) -> Any:
+        """This kernel no longer drives the pool: close it here and raise why, in words."""
+        run_id = self.entry.run_id if self.entry else "?"
+        if message is not None and message[0] == "taken":
+            why = (
+                f"{message[1]['by']} took over the detached pool {run_id} at "
+                f"{message[1]['at']}; this kernel no longer drives it"
+            )
+        elif message is not None and message[0] == "ended":
+            why = message[1]["why"]
+        else:
+            why = self._gone_reason()
+        self._disconnect()
+        self.state = PoolState.CLOSED
+        after = " during the cell" if during_cell else ""
+        raise LaunchError(
+            f"{why}{after}. %%distributed cells here launch fresh ranks again; "
+            f"%dist attach {run_id} --take-over takes a pool back, %dist start starts one"
+        )
+
+    def _gone_reason(self) -> str:
+        """Why the host closed the connection without a word (killed, or it ended)."""
+        if self.entry is None:
+            return "the pool's host went away"
+        entry = detached.Entry.read(detached.registry_dir() / f"{self.entry.run_id}.json")
+        pid, where = self.entry.pid, self.entry.run_dir / detached.HOST_LOG
+        if detached.host_alive(pid):
+            return (
+                f"the detached pool {self.entry.run_id}'s host (pid {pid}) closed this connection"
+            )
+        if entry is not None and entry.state != "running":
+            return f"the detached pool {self.entry.run_id} ended ({entry.state}) elsewhere"
+        return (
+            f"the detached pool {self.entry.run_id}'s host (pid {pid}) ended without a word "
+            f"(killed?): its ranks and their names are gone; see {where}"
+        )
 
     def _check_usable(self) -> None:
         if self.state is PoolState.CLOSED or self._sock is None:
             raise LaunchError("the detached pool is not attached here: %dist attach")
+        self._check_connection()
         if self.state is PoolState.BROKEN:
             raise LaunchError(
                 f"the pool cannot run cells: {self.problem}. Run %dist restart for fresh ranks, "
@@ -297,9 +384,21 @@ class DetachedPool(Pool):
         return self.describe() + "\n" + self._ask("status", "status")["text"]
 
 
-def attach_pool(run_id: str | None = None) -> DetachedPool:
+def who_am_i() -> str:
+    """This kernel in words, as another kernel is told it: its id and pid (a script: its pid)."""
+    try:
+        from ipykernel.connect import get_connection_file
+
+        kernel_id = Path(get_connection_file()).stem.removeprefix("kernel-")
+        return f"kernel {kernel_id[:8]} (pid {os.getpid()})"
+    except Exception:  # not in a kernel
+        return f"process {os.getpid()} ({Path(sys.argv[0]).name or 'python'})"
+
+
+def attach_pool(run_id: str | None = None, take_over: bool = False) -> DetachedPool:
     """Connect this kernel to a detached pool (default: the newest one running); its ranks keep
-    the names earlier cells defined, and ``%%distributed`` cells run on it again.
+    the names earlier cells defined, and ``%%distributed`` cells run on it again. While another
+    kernel drives it, this is refused unless ``take_over=True`` (that kernel is then told).
 
     Raises
     ------
@@ -307,4 +406,4 @@ def attach_pool(run_id: str | None = None) -> DetachedPool:
         No detached pool is running (the message lists the detached runs), or this kernel
         runs a pool of its own.
     """
-    return DetachedPool.attach(run_id)
+    return DetachedPool.attach(run_id, take_over)
