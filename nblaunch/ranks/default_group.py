@@ -332,10 +332,20 @@ def _wanted_backend(shared: _Shared, backend: Any, device_id: Any) -> str | None
                 f"{_where(shared)}: init_process_group(backend={wanted!r}): this torch has no "
                 f"{name!r} backend. Leave backend out to use {shared.backend!r}."
             )
-    if not all(dist.is_backend_available(name) for name in per_device.values()):
-        # "cpu:gloo,cuda:nccl" on CPU ranks of a CPU-only torch: make only what this rank uses.
+    if not all(_usable(kind, name) for kind, name in per_device.items()):
+        # "cpu:gloo,cuda:nccl" on CPU ranks of a CPU-only torch, or of the CUDA build on a
+        # machine without GPUs (NCCL is there, no GPU is): make only what this rank uses.
         wanted = ",".join(f"{kind}:{per_device[kind]}" for kind in sorted(relevant))
     return wanted
+
+
+def _usable(kind: str, name: str) -> bool:
+    """Whether backend ``name`` can be made here for ``kind`` tensors: torch has it and, for
+    CUDA, sees a GPU (``pip install torch`` on Linux is the CUDA build, GPUs or not)."""
+    import torch
+    import torch.distributed as dist
+
+    return dist.is_backend_available(name) and (kind != "cuda" or torch.cuda.is_available())
 
 
 def _relevant(shared: _Shared, per_device: dict[str, str]) -> set[str]:
