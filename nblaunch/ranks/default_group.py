@@ -385,6 +385,27 @@ def rendezvous_store(rank: int, world_size: int) -> Any:
         return dist.TCPStore(address, port, world_size, False, timeout)
     listener = socket.create_server((address, port), reuse_port=False)
     store = dist.TCPStore(
-        address, port, world_size, True, timeout, master_listen_fd=listener.detach()
+        address,
+        port,
+        world_size,
+        True,
+        timeout,
+        master_listen_fd=listener.detach(),
+        **listen_fd_options(),
     )
     return store
+
+
+def listen_fd_options() -> dict[str, Any]:
+    """``TCPStore`` keywords for a server handed a socket nblaunch bound (``master_listen_fd``).
+
+    The libuv store, torch's default since 2.4, takes such a socket only from torch 2.8 on;
+    before that it raises "The libuv TCPStore backend does not support initialization with an
+    listen fd", so those versions get the older store (which takes it, and which the ranks'
+    clients talk to the same way).
+    """
+    import torch
+
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 8):
+        return {"use_libuv": False}
+    return {}
