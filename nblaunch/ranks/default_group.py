@@ -33,6 +33,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from nblaunch.errors import add_note
+
 # Keys of the rendezvous store under which the second, third, ... group meet.
 GENERATION_PREFIX = "nblaunch/generation"
 
@@ -198,7 +200,7 @@ def _make(
     except RuntimeError as exc:
         hint = connect_hint(str(exc), shared.rank)
         if hint:
-            exc.add_note(hint)
+            add_note(exc, hint)
         raise
     if (dist.get_rank(), dist.get_world_size()) != (shared.rank, shared.world_size):
         raise RuntimeError(
