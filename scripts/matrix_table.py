@@ -2,7 +2,8 @@
 
     python scripts/matrix_table.py [.nox/matrix.tsv ...]
 
-Rows are Python x build, columns the torch versions of noxfile.py. A cell shows its latest
+Rows are Python x build, columns the torch versions of noxfile.py (and any other a result
+names). A cell shows its latest
 result: ``passed``, ``failed`` (with how many tests failed) or ``not run`` (no result, or no
 wheel reachable), and the details follow the table.
 """
@@ -31,14 +32,19 @@ def latest(paths: list[Path]) -> dict[tuple[str, str, str], list[str]]:
 
 
 def table(cells: dict[tuple[str, str, str], list[str]]) -> str:
+    # noxfile's torches, and any other a result names (an older floor that failed)
+    torches = sorted(
+        set(TORCHES) | {torch for _, torch, _ in cells},
+        key=lambda v: tuple(int(p) for p in v.split(".")),
+    )
     lines = [
-        "| Python | build | " + " | ".join(f"torch {t}" for t in TORCHES) + " |",
-        "|---|---|" + "---|" * len(TORCHES),
+        "| Python | build | " + " | ".join(f"torch {t}" for t in torches) + " |",
+        "|---|---|" + "---|" * len(torches),
     ]
     for python in PYTHONS:
         for build in BUILDS:
             row = []
-            for torch in TORCHES:
+            for torch in torches:
                 result = cells.get((python, torch, build))
                 row.append("not run" if result is None else result[0])
             lines.append(f"| {python} | {BUILD_NAMES[build]} | " + " | ".join(row) + " |")
