@@ -76,12 +76,15 @@ def _run_cell(session: nox.Session, torch: str, build: str) -> None:
     # 2.13.0 satisfies torch==2.13.0, so a local 2.13.0+cpu wheel does not replace it.
     _check_build(session, torch, build)
     try:
-        session.install("-e", ".[test]", f"torch=={torch}")
+        # the extras `make test` has, less the browser's (these are the fast tests)
+        session.install("-e", ".[test,compat,tensorboard]", f"torch=={torch}")
     except nox.command.CommandFailed:
-        _record(results, cell, "failed", "nblaunch[test] does not install with it", started)
+        _record(results, cell, "failed", "nblaunch's test extras do not install", started)
         raise
     version = _check_build(session, torch, build)
-    junit = Path(session.create_tmp()) / "junit.xml"
+    # Not session.create_tmp(): it points TMPDIR into .nox, and the tests' Unix sockets under
+    # it outgrow AF_UNIX's 108 bytes ("AF_UNIX path too long", 6 detached tests failed).
+    junit = Path(session.virtualenv.location) / "junit.xml"
     arguments = session.posargs or FAST
     try:
         session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
