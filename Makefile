@@ -3,27 +3,44 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# The CPU build of torch, installed first so no requirement pulls a multi-GB CUDA build.
-TORCH ?= torch==2.13.0
+# torch is installed first so that no requirement pulls another: the CPU build where a CPU wheel
+# is reachable (PyTorch's CPU index, or a local wheel pip's find-links name), else PyPI's wheel,
+# which on Linux is the CUDA build (about 5 GB; it runs on CPUs too). The recipes say which.
+TORCH_VERSION ?= 2.13.0
+TORCH ?= torch==$(TORCH_VERSION)
+CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+SAY_TORCH = $(PY) -c "import torch; c = torch.version.cuda; print('torch', torch.__version__, \
+	f'(the CUDA {c} build: no CPU wheel was reachable)' if c else '(the CPU build)')"
 
-.PHONY: demo test test-fast test-browser test-xla screenshots lint bench docs install clean lab-build
+.PHONY: demo test test-fast test-matrix test-browser test-xla screenshots lint bench docs install clean lab-build
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q "$(TORCH)+cpu" --extra-index-url $(CPU_INDEX) --retries 1 --timeout 30 \
+		|| $(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
 
 demo: install
+	@$(SAY_TORCH)
 	$(PY) scripts/run_notebook.py notebooks/quickstart.ipynb
 
 # The docs' screenshots at 8 and 64 ranks are remade by `make screenshots`, not by every run:
 # the 16-rank browser test checks the same view, and 64 ranks on 2 cores cost half a minute.
 test: install
+	@$(SAY_TORCH)
 	$(PY) -m pytest -q -m "not screenshots"
+
+# The fast tests on every Python x torch x build of noxfile.py (docs/versions.md has the table;
+# 10-20 min and a few GB of downloads per cell). One cell: make test-matrix NOX_ARGS='-s
+# "tests-3.13(2.13.0-cuda)"'.
+NOX_ARGS ?=
+test-matrix: install
+	$(VENV)/bin/nox $(NOX_ARGS)
+	$(PY) scripts/matrix_table.py .nox/matrix.tsv
 
 # Every browser test, the 8- and 64-rank one too, saving its pictures over the docs' own (a
 # test run keeps them in its temporary folders).
@@ -31,6 +48,7 @@ screenshots: install
 	NBLAUNCH_DOC_PICTURES=1 $(PY) -m pytest -q -m browser
 
 test-fast: install
+	@$(SAY_TORCH)
 	$(PY) -m pytest -q -m "not browser and not slow"
 
 test-browser: install
@@ -73,4 +91,4 @@ bench: install
 	for b in benchmarks/bench_*.py; do echo "### $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VENV_XLA) .nblaunch .pytest_cache site
+	rm -rf $(VENV) $(VENV_XLA) .nblaunch .pytest_cache site .nox

@@ -258,3 +258,12 @@ def safe_str(exc: BaseException) -> str:
         return str(exc)
     except Exception as error:
         return f"<{type(exc).__name__}: str() raised {type(error).__name__}: {error!r}>"
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where Python has it (3.11+); on 3.10 the same ``__notes__`` list,
+    which tracebacks there do not print."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]

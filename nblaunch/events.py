@@ -16,7 +16,13 @@ prints readably.
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal, NotRequired, Protocol, TypedDict
+import sys
+from typing import Any, Literal, Protocol, TypedDict
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired
+else:  # Python 3.10; typing_extensions comes with torch
+    from typing_extensions import NotRequired
 
 
 class RunState(str, enum.Enum):

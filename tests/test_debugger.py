@@ -7,10 +7,13 @@ the kernel's stdin channel (``input_request``) for a notebook.
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import rank_children, wait_until
@@ -35,6 +38,30 @@ SCRIPT = textwrap.dedent(
         ))
     """
 )
+
+
+@functools.cache
+def pdb_stops_on_the_call() -> bool:
+    """Whether this Python's own pdb shows the ``set_trace()`` line itself when it stops there.
+
+    Python 3.13's does (it enters the debugger at once); earlier ones show the next line.
+    nblaunch follows the Python it runs on, so a rank shows what plain ``breakpoint()`` would.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        probe = Path(folder, "probe.py")  # a file, so that pdb can show its lines
+        probe.write_text("import pdb\npdb.set_trace()\nafter = 1\n")
+        done = subprocess.run(
+            [sys.executable, str(probe)], input="c\n", capture_output=True, text=True, timeout=60
+        )
+    shown = [line for line in done.stdout.splitlines() if line.startswith("-> ")]
+    assert shown in (["-> pdb.set_trace()"], ["-> after = 1"]), done.stdout
+    assert (shown == ["-> pdb.set_trace()"]) == (sys.version_info >= (3, 13)), done.stdout
+    return shown == ["-> pdb.set_trace()"]
+
+
+def stop_line(call: str, after: str) -> str:
+    """The ``-> `` line a rank shows when it stops at ``call`` (``after`` is the next line)."""
+    return f"-> {call if pdb_stops_on_the_call() else after}"
 
 
 def run_script(
@@ -64,7 +91,8 @@ def run_script(
 def test_breakpoint_on_one_rank_prompts_in_the_terminal_and_continues(tmp_path):
     code, out = run_script(tmp_path, ["p x", "p x + 100", "c"])
     assert code == 0, out
-    assert "-> t = torch.tensor([float(x + 1)])" in out  # stopped on the line after breakpoint
+    # what this Python's pdb shows: the breakpoint line (3.13+) or the line after it
+    assert stop_line("nblaunch.breakpoint(rank=1)", "t = torch.tensor([float(x + 1)])") in out
     assert out.count("[rank 1] (Pdb) ") == 3 and "[rank 0] (Pdb)" not in out
     assert "\n10\n" in out.replace("(Pdb) ", "\n") and "110" in out
     assert "RESULT [12.0, 12.0]" in out
@@ -110,7 +138,8 @@ def test_breakpoint_in_a_cell_prompts_in_the_notebook(notebook):
     )
     assert cell["error"] is None, cell
     assert cell["prompts"] == ["[rank 1] (Pdb) ", "[rank 1] (Pdb) "]
-    assert "-> y = torch.tensor([x + 1.0])" in cell["out"] and "\n10\n" in cell["out"]
+    assert stop_line("nblaunch.breakpoint(rank=1)", "y = torch.tensor([x + 1.0])") in cell["out"]
+    assert "\n10\n" in cell["out"]
     assert cell["result"] == "12.0"  # rank 1 went on, and met rank 0 in the all_reduce
 
 

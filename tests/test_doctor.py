@@ -107,12 +107,20 @@ def test_visible_devices_select_and_order_gpus(monkeypatch):
 # --- the report ----------------------------------------------------------------------------------
 
 
+def test_the_report_says_which_build_of_torch_this_is():
+    assert doctor.torch_build({"CUDA": None, "ROCm": None}) == "CPU build"
+    assert doctor.torch_build({"CUDA": "13.0", "ROCm": None}) == "CUDA build (CUDA 13.0)"
+    assert doctor.torch_build({"CUDA": None, "ROCm": "6.2.4"}) == "ROCm build (ROCm 6.2.4)"
+
+
 def test_report_names_versions_machine_and_start_methods():
     import torch
 
     text = doctor.report()
     for needle in (
-        f"torch        {torch.__version__}",
+        f"torch        {torch.__version__}",  # the build's own, 2.13.0+cu130 or 2.13.0+cpu
+        "torch build  "
+        + (f"CUDA build (CUDA {torch.version.cuda})" if torch.version.cuda else "CPU build"),
         "Python",
         "ipykernel",
         "ipywidgets",

@@ -166,6 +166,22 @@ def test_after_a_destroy_init_makes_a_new_group_on_nblaunchs_store():
     assert launch(again) == [([3.0] * 3, 3.0, "cpu:gloo")] * 2
 
 
+def test_the_cuda_build_without_gpus_gets_gloo_after_a_destroy():
+    # The CUDA build of torch (what `pip install torch` gives on Linux) on a machine without
+    # GPUs has NCCL built in; making NCCL's part of the group fails there ("no GPUs found").
+    def again():
+        available = dist.is_backend_available
+        dist.is_backend_available = lambda name: name == "nccl" or available(name)
+        try:
+            dist.destroy_process_group()
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl")
+            return all_reduce_sum(), dist.get_backend(), torch.cuda.is_available()
+        finally:
+            dist.is_backend_available = available
+
+    assert launch(again) == [(3.0, "cpu:gloo", False)] * 2
+
+
 # --- nblaunch run --------------------------------------------------------------------------------
 
 TORCHRUN_SCRIPT = """

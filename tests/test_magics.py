@@ -60,6 +60,29 @@ def test_names_read_skips_what_the_cell_binds_first():
     assert names_read(cell) == ["a", "w", "n", "range", "k", "js", "class_level", "big_helper"]
 
 
+@pytest.mark.parametrize(
+    ("cell", "expected"),
+    [
+        # Python 3.12+ inlines these comprehensions (PEP 709); their targets are still theirs.
+        ("squares = [j * j for j in js]", ["js"]),
+        ("s = {j for j in js if j > cut}", ["js", "cut"]),
+        ("d = {k: v for k, v in pairs}", ["pairs"]),
+        ("g = sum(j for j in js)", ["sum", "js"]),
+        # the inner iterable sees the outer target; only the outermost runs in the cell
+        ("m = [[i * j for j in row] for row, i in rows]", ["rows"]),
+        # a comprehension target that the cell also reads itself is read
+        ("s = [j for j in js]\nprint(j)", ["js", "print", "j"]),
+        ("s = [j for j in js]\ndef f():\n    return j", ["js", "j"]),
+        # the walrus binds in the cell, not the comprehension; but only if js is not empty
+        ("s = [last := j for j in js]\nprint(last)", ["js", "print", "last"]),
+        # annotations run when the def runs
+        ("def f(x: Tensor) -> int:\n    return [t for t in x]", ["Tensor", "int"]),
+    ],
+)
+def test_names_read_leaves_out_comprehension_targets_on_every_python(cell, expected):
+    assert names_read(cell) == expected
+
+
 def test_only_what_the_cell_reads_is_shipped_and_modules_go_by_name():
     import math
 

@@ -24,6 +24,7 @@ from typing import Any
 from nblaunch.cluster.trust import RunSecret, SigningStore
 from nblaunch.errors import LaunchError
 from nblaunch.options import DEFAULT_RDZV_PORT
+from nblaunch.ranks.default_group import listen_fd_options
 
 # Timeout of single store operations (a get, a push); generous, the network may be slow.
 STORE_TIMEOUT_S = 60.0
@@ -91,6 +92,7 @@ def host_store(host: str, port: int) -> Any:
         datetime.timedelta(seconds=STORE_TIMEOUT_S),
         wait_for_workers=False,
         master_listen_fd=listener.detach(),
+        **listen_fd_options(),
     )
 
 

@@ -285,6 +285,9 @@ def collect() -> dict[str, Any]:
     backends = []
     per_device: dict[str, str] = {}
     if torch is not None:
+        # The build's own version: the CUDA wheels on PyPI say "2.13.0" in their metadata and
+        # "2.13.0+cu130" here, the CPU wheels "2.13.0+cpu" in both.
+        versions["torch"] = torch.__version__
         builds["CUDA"] = torch.version.cuda
         builds["ROCm"] = getattr(torch.version, "hip", None)
         with contextlib.suppress(Exception):
@@ -333,8 +336,7 @@ def report() -> str:
     width = max(len(name) for name in facts["versions"]) + 2
     for name, version in facts["versions"].items():
         lines.append(f"  {name:<{width}}{version or 'not installed'}")
-    builds = ", ".join(f"{k} {v}" for k, v in facts["builds"].items() if v) or "CPU only"
-    lines.append(f"  {'torch build':<{width}}{builds}")
+    lines.append(f"  {'torch build':<{width}}{torch_build(facts['builds'])}")
     lines.append(f"  {'backends':<{width}}{', '.join(facts['backends']) or 'none'}")
     lines.append("")
     lines.append(f"  OS          {facts['os']}")
@@ -371,6 +373,19 @@ def report() -> str:
         lines.append("")
         lines += [f"  warning: {w}" for w in facts["warnings"]]
     return "\n".join(lines) + "\n"
+
+
+def torch_build(builds: dict[str, str | None]) -> str:
+    """Which build of torch this is, from ``collect()["builds"]`` (the toolkit versions it was
+    built with): ``"CPU build"``, ``"CUDA build (CUDA 13.0)"``, ``"ROCm build (ROCm 6.2)"``.
+
+    ``pip install torch`` on Linux gives the CUDA build, with or without GPUs; only the CPU
+    build lacks NCCL.
+    """
+    toolkits = [f"{name} {version}" for name, version in builds.items() if version]
+    if not toolkits:
+        return "CPU build"
+    return f"{toolkits[0].split()[0]} build ({', '.join(toolkits)})"
 
 
 def _python_version() -> str:

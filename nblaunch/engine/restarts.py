@@ -17,6 +17,7 @@ from nblaunch.engine.features import parent_monitors
 from nblaunch.engine.plan import choose_port
 from nblaunch.engine.shutdown import STOP_GRACE_S
 from nblaunch.engine.verdict import Cause, Outcome, RootCause
+from nblaunch.errors import add_note
 from nblaunch.events import RunState, diagnosis
 
 if TYPE_CHECKING:
@@ -68,8 +69,8 @@ class Attempts:
             return
         total = self.max_restarts + 1
         for number, cause in enumerate(self.causes, start=1):
-            exc.add_note(f"attempt {number} of {total} ended: {cause}")
-        exc.add_note(f"attempt {total} of {total} ended as above: no restarts left")
+            add_note(exc, f"attempt {number} of {total} ended: {cause}")
+        add_note(exc, f"attempt {total} of {total} ended as above: no restarts left")
 
 
 def restart_after_failure(run: Run, payload: bytes) -> None:

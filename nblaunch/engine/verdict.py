@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import errors, tracebacks
-from nblaunch.errors import LaunchError, LaunchTimeoutError, RankFailedError
+from nblaunch.errors import LaunchError, LaunchTimeoutError, RankFailedError, add_note
 from nblaunch.events import Diagnosis, Event, Failure, diagnosis
 
 # How long a secondary failure ("connection reset by peer") waits for the primary one to show.
@@ -325,14 +325,6 @@ def exit_failure(exit_: SystemExit, rank: int, world_size: int) -> RankFailedErr
         world_size=world_size,
         exitcode=code if isinstance(code, int) else 1,  # Python exits 1 for a message
     )
-
-
-def add_note(exc: BaseException, note: str) -> None:
-    """``exc.add_note`` where Python has it (3.11+); a plain attribute before that."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # pragma: no cover - Python 3.10
-        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
 
 
 def short_type(qualified: str) -> str:

@@ -138,7 +138,13 @@ def names_read(cell: str) -> list[str]:
     tree = ast.parse(cell)
     immediate, deferred = _global_reads(cell)
     bound_at = _unconditional_bindings(tree)
-    first_read = _first_top_level_reads(tree)
+    first_read, comprehension_targets = _first_top_level_reads(tree)
+    # Since Python 3.12 (PEP 709) list, set and dict comprehensions are inlined: symtable puts
+    # their targets in the cell's own table, as if the cell read a global ``j`` in
+    # ``[j * j for j in js]``. A target the cell never reads outside its comprehension is not
+    # a global read on any Python.
+    immediate -= comprehension_targets - first_read.keys()
+    deferred -= immediate
     # ``x += 1`` reads x, though symtable does not count it as a reference.
     immediate |= {
         node.target.id
@@ -171,7 +177,7 @@ def _global_reads(cell: str) -> tuple[set[str], set[str]]:
             visit(child, now)
 
     visit(table, True)
-    return immediate, deferred - immediate
+    return immediate, deferred
 
 
 def _unconditional_bindings(tree: ast.Module) -> dict[str, tuple[int, int]]:
@@ -221,32 +227,60 @@ def _target_names(target: ast.AST) -> Iterable[ast.Name]:
         yield from _target_names(target.value)
 
 
-def _first_top_level_reads(tree: ast.Module) -> dict[str, tuple[int, int]]:
-    """Name -> position of its first read outside function and lambda bodies."""
+def _first_top_level_reads(tree: ast.Module) -> tuple[dict[str, tuple[int, int]], set[str]]:
+    """Name -> position of its first read outside function and lambda bodies, and the names
+    comprehensions bind (a read of a comprehension's own target is not a read of the cell's).
+    """
     first: dict[str, tuple[int, int]] = {}
+    comprehension_targets: set[str] = set()
 
-    def visit(node: ast.AST) -> None:
+    def visit(node: ast.AST, local: frozenset[str]) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             # Decorators, defaults and annotations run now; the body runs later.
-            for part in [*node.decorator_list, *node.args.defaults, *node.args.kw_defaults]:
+            arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            arguments += [a for a in (node.args.vararg, node.args.kwarg) if a is not None]
+            annotations = [a.annotation for a in arguments] + [node.returns]
+            for part in [
+                *node.decorator_list,
+                *node.args.defaults,
+                *node.args.kw_defaults,
+                *annotations,
+            ]:
                 if part is not None:
-                    visit(part)
+                    visit(part, local)
             return
         if isinstance(node, ast.Lambda):
             for part in [*node.args.defaults, *node.args.kw_defaults]:
                 if part is not None:
-                    visit(part)
+                    visit(part, local)
             return
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            # The first iterable runs in the enclosing scope; each target is bound for the
+            # iterables, conditions and element after it.
+            inner = local
+            for generator in node.generators:
+                visit(generator.iter, inner)
+                targets = {n.id for n in _target_names(generator.target)}
+                comprehension_targets.update(targets)
+                inner = inner | targets
+                visit(generator.target, inner)
+                for condition in generator.ifs:
+                    visit(condition, inner)
+            parts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+            for part in parts:
+                visit(part, inner)
+            return
+        target = node.target if isinstance(node, ast.AugAssign) else None
+        if isinstance(target, ast.Name) and target.id not in local:
+            first.setdefault(target.id, (node.lineno, node.col_offset))
         reads = isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store)
-        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-            first.setdefault(node.target.id, (node.lineno, node.col_offset))
-        if reads:
+        if reads and node.id not in local:
             first.setdefault(node.id, (node.lineno, node.col_offset))
         for child in ast.iter_child_nodes(node):
-            visit(child)
+            visit(child, local)
 
-    visit(tree)
-    return first
+    visit(tree, frozenset())
+    return first, comprehension_targets
 
 
 def serialize_names(values: dict[str, Any]) -> bytes:

@@ -33,6 +33,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from nblaunch.errors import add_note
+
 # Keys of the rendezvous store under which the second, third, ... group meet.
 GENERATION_PREFIX = "nblaunch/generation"
 
@@ -198,7 +200,7 @@ def _make(
     except RuntimeError as exc:
         hint = connect_hint(str(exc), shared.rank)
         if hint:
-            exc.add_note(hint)
+            add_note(exc, hint)
         raise
     if (dist.get_rank(), dist.get_world_size()) != (shared.rank, shared.world_size):
         raise RuntimeError(
@@ -332,10 +334,20 @@ def _wanted_backend(shared: _Shared, backend: Any, device_id: Any) -> str | None
                 f"{_where(shared)}: init_process_group(backend={wanted!r}): this torch has no "
                 f"{name!r} backend. Leave backend out to use {shared.backend!r}."
             )
-    if not all(dist.is_backend_available(name) for name in per_device.values()):
-        # "cpu:gloo,cuda:nccl" on CPU ranks of a CPU-only torch: make only what this rank uses.
+    if not all(_usable(kind, name) for kind, name in per_device.items()):
+        # "cpu:gloo,cuda:nccl" on CPU ranks of a CPU-only torch, or of the CUDA build on a
+        # machine without GPUs (NCCL is there, no GPU is): make only what this rank uses.
         wanted = ",".join(f"{kind}:{per_device[kind]}" for kind in sorted(relevant))
     return wanted
+
+
+def _usable(kind: str, name: str) -> bool:
+    """Whether backend ``name`` can be made here for ``kind`` tensors: torch has it and, for
+    CUDA, sees a GPU (``pip install torch`` on Linux is the CUDA build, GPUs or not)."""
+    import torch
+    import torch.distributed as dist
+
+    return dist.is_backend_available(name) and (kind != "cuda" or torch.cuda.is_available())
 
 
 def _relevant(shared: _Shared, per_device: dict[str, str]) -> set[str]:
@@ -375,6 +387,27 @@ def rendezvous_store(rank: int, world_size: int) -> Any:
         return dist.TCPStore(address, port, world_size, False, timeout)
     listener = socket.create_server((address, port), reuse_port=False)
     store = dist.TCPStore(
-        address, port, world_size, True, timeout, master_listen_fd=listener.detach()
+        address,
+        port,
+        world_size,
+        True,
+        timeout,
+        master_listen_fd=listener.detach(),
+        **listen_fd_options(),
     )
     return store
+
+
+def listen_fd_options() -> dict[str, Any]:
+    """``TCPStore`` keywords for a server handed a socket nblaunch bound (``master_listen_fd``).
+
+    The libuv store, torch's default since 2.4, takes such a socket only from torch 2.8 on;
+    before that it raises "The libuv TCPStore backend does not support initialization with an
+    listen fd", so those versions get the older store (which takes it, and which the ranks'
+    clients talk to the same way).
+    """
+    import torch
+
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 8):
+        return {"use_libuv": False}
+    return {}

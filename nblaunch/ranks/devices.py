@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Any
 
+from nblaunch.errors import add_note
+
 # Comma-separated modules each rank imports before it picks its device (accelerator plug-ins).
 MODULES_ENV = "NBLAUNCH_DEVICE_MODULES"
 
@@ -39,9 +41,10 @@ def import_device_modules() -> list[str]:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            exc.add_note(
+            add_note(
+                exc,
                 f"nblaunch: {MODULES_ENV}={os.environ[MODULES_ENV]!r} names {name!r}, which this "
-                "rank cannot import; install it, or take it out of the variable."
+                "rank cannot import; install it, or take it out of the variable.",
             )
             raise
     return names
