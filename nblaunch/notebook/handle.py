@@ -254,13 +254,24 @@ def attach(run_id: str | None = None) -> RunHandle:
     """
     entry = detached.find(run_id, kind="run")
     for handle in list(_kernel_runs):
-        if handle.id == entry.run_id and handle.detached:
+        if _same_run(handle, entry):
             if handle.state != LOST:
                 return handle  # one handle per run: runs() lists it once
             _kernel_runs.remove(handle)  # lost to this kernel (its host gone?): read it again
     handle = RunHandle(detached.AttachedRun(entry), detached=True)
     handle.started_at = entry.started_at
     return remember(handle)
+
+
+def _same_run(handle: RunHandle, entry: detached.Entry) -> bool:
+    """Whether ``handle`` shows the run of ``entry``: the same id, directory and host (a later
+    run in the same directory, or another registry's, may have the same id)."""
+    known = getattr(handle._control, "entry", None) if handle.detached else None
+    return known is not None and (known.run_id, known.run_dir, known.pid) == (
+        entry.run_id,
+        entry.run_dir,
+        entry.pid,
+    )
 
 
 class _DetachedEntry(RunHandle):
