@@ -6,7 +6,8 @@ table.
 The step: a small MLP wrapped in DistributedDataParallel, synthetic data, SGD, 2 CPU ranks with
 gloo, plus the two collectives a training loop typically makes itself (gather the loss for
 logging, sum the number of correct predictions). Accelerate checks the two explicit
-collectives; nblaunch checks those and DDP's gradient all-reduce (a comm hook).
+collectives; nblaunch checks those and DDP's gradient all-reduce (read from torch's flight
+recorder by a thread of each rank; DDP keeps its own C++ all-reduce).
 
 - nblaunch: ``nblaunch.gather`` and ``nblaunch.all_reduce``, with ``debug=False`` (no checks),
   the default (out-of-band checks: each rank sends its calls to the launcher, which compares
@@ -127,10 +128,11 @@ def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, f
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nblaunch.ranks import fingerprints
+    from nblaunch.ranks import fingerprints, recorder
 
     outbox = fingerprints.current()
     assert outbox is not None, "the checks are off in this launch"
+    reader = recorder.current()  # the flight recorder's reader: paused in unchecked blocks
     # The checks' wrappers of torch.distributed's functions and of DDP's constructor.
     wrapped = {
         name: value
@@ -144,7 +146,9 @@ def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, f
         fingerprints._outbox = None
         for name, function in wrapped.items():
             setattr(dist, name, function.__nblaunch_original__)
-        DDP.__init__ = patched_init.__nblaunch_original__
+        DDP.__init__ = getattr(patched_init, "__nblaunch_original__", patched_init)
+        if reader is not None:
+            reader.pause()
         try:
             yield
         finally:
@@ -152,6 +156,8 @@ def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, f
             for name, function in wrapped.items():
                 setattr(dist, name, function)
             DDP.__init__ = patched_init
+            if reader is not None:
+                reader.resume()  # its catching up is paid in the checked block
 
     inputs = torch.randn(BATCH, WIDTH)
     targets = torch.randint(0, 10, (BATCH,))
@@ -179,12 +185,15 @@ def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, f
             elapsed = (time.perf_counter() - started) / block, (time.process_time() - cpu) / block
         if i >= 4:
             times[kind].append(elapsed)
+    if reader is not None:  # the recorder's reads: how many, and their mean cost
+        times["reads"] = [(reader.reads, reader.read_s)]
     return times
 
 
-def run_alternating() -> tuple[float, float]:
+def run_alternating() -> tuple[float, float, float, float]:
     """One launch of ``alternating_blocks``: checked over unchecked, the slowest rank's median
-    block (wall), and both ranks' median blocks summed (CPU)."""
+    block (wall), and both ranks' median blocks summed (CPU); the flight recorder's reads,
+    mean ms per read and ms per checked step (both ranks' mean; 0 where it did not read)."""
     per_rank = nblaunch.notebook_launcher(
         alternating_blocks, (BLOCKS, BLOCK), num_processes=2, device_type="cpu", display="none"
     )
@@ -194,7 +203,10 @@ def run_alternating() -> tuple[float, float]:
 
     wall = max(median("checked", 0)) / max(median("unchecked", 0))
     cpu = sum(median("checked", 1)) / sum(median("unchecked", 1))
-    return wall, cpu
+    reads = [rank["reads"][0] for rank in per_rank if rank.get("reads")]
+    per_read = statistics.mean(t / n for n, t in reads if n) * 1e3 if reads else 0.0
+    per_step = statistics.mean(t for _, t in reads) / ((BLOCKS + 2) * BLOCK) * 1e3 if reads else 0.0
+    return wall, cpu, per_read, per_step
 
 
 # What each mode passes as notebook_launcher(debug=...).
@@ -287,10 +299,15 @@ def main(rounds: int = ROUNDS) -> None:
         f"{BLOCKS} unchecked, alternating (checked: the default checks; unchecked: as "
         "debug=False). Ratio of the median blocks, median and range over rounds.\n"
     )
-    print("| one launch per round | wall, checked vs. unchecked | CPU, checked vs. unchecked |")
-    print("|---|---:|---:|")
-    walls, cpus = _ratios([w for w, _ in alternating]), _ratios([c for _, c in alternating])
-    print(f"| nblaunch, default checks | {walls} | {cpus} |")
+    print(
+        "| one launch per round | wall, checked vs. unchecked | CPU, checked vs. unchecked "
+        "| recorder: ms per read | recorder: ms per checked step |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    walls, cpus = _ratios([a[0] for a in alternating]), _ratios([a[1] for a in alternating])
+    per_read = statistics.median(a[2] for a in alternating)
+    per_step = statistics.median(a[3] for a in alternating)
+    print(f"| nblaunch, default checks | {walls} | {cpus} | {per_read:.3f} | {per_step:.4f} |")
     sys.stdout.flush()
 
 

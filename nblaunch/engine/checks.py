@@ -19,6 +19,7 @@ import os
 import pickle
 import socket
 import struct
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -28,8 +29,22 @@ from nblaunch.engine.monitor import RunContext
 from nblaunch.engine.source_lines import cell_names
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedOperationException
-from nblaunch.ranks.debug_report import mismatch_message, record_of, same_facts
-from nblaunch.ranks.fingerprints import CALL, CALL_TAG, DEFINITION, DEFINITION_TAG
+from nblaunch.ranks.debug_report import (
+    DDP_ALL_REDUCE,
+    base_operation,
+    is_recorded,
+    mismatch_message,
+    record_of,
+    same_facts,
+)
+from nblaunch.ranks.fingerprints import (
+    CALL,
+    CALL_TAG,
+    DEFINITION,
+    DEFINITION_TAG,
+    PREDICTED,
+    RECORDER,
+)
 
 if TYPE_CHECKING:
     from nblaunch.engine.plan import LaunchPlan
@@ -41,6 +56,13 @@ MAX_OPEN = 10_000
 _WHOLE_GROUP_RULES = ("all_gather", "all_gather_even")
 # Most bytes read from one rank's connection per check (about 2000 records).
 READ_BYTES = 1 << 19
+# How a group's collectives as the flight recorder numbers them are told apart from the calls
+# checked in Python (numbered by the checks): their group's name ends with this.
+RECORDED_SUFFIX = "@recorder"
+# A call's entry as its rank predicted it (sent before the collective ran) is used only when the
+# entry itself did not come within this long: its rank was aborted (gloo, on a size mismatch).
+PREDICTED_WAIT_S = 0.5
+PREDICTED_SUFFIX = "@predicted"
 
 
 @dataclass
@@ -50,8 +72,9 @@ class _Sender:
     unread: bytes = b""  # the start of a message not yet whole
     rank: int = -1
     task: int = -1
-    groups: dict[int, tuple[str, int, list[int]]] = field(default_factory=dict)
+    groups: dict[int, tuple[str, int, list[int]]] = field(default_factory=dict)  # by key name
     facts: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    announced: set[int] = field(default_factory=set)  # groups whose first call was read
 
 
 class CallReader:
@@ -154,6 +177,8 @@ def _parse(sender: _Sender, buffer: bytes, calls: list[dict[str, Any]]) -> bytes
             _, group, n, facts = CALL.unpack_from(buffer, start)
             start += CALL.size
             name, size, members = sender.groups[group]
+            first = group not in sender.announced  # its ranks go with its first call
+            sender.announced.add(group)
             calls.append(
                 {
                     "rank": sender.rank,
@@ -162,7 +187,7 @@ def _parse(sender: _Sender, buffer: bytes, calls: list[dict[str, Any]]) -> bytes
                     "size": size,
                     "n": n,
                     "record": sender.facts[facts],
-                    "members": members if n == 1 else None,
+                    "members": members if first else None,
                 }
             )
             continue
@@ -178,7 +203,11 @@ def _parse(sender: _Sender, buffer: bytes, calls: list[dict[str, Any]]) -> bytes
         if item[0] == "rank":
             _, sender.rank, sender.task = item
         elif item[0] == "group":
-            _, index, name, size, members = item
+            _, index, name, size, members, *stream = item
+            if stream and stream[0] == RECORDER:  # the flight recorder's numbers
+                name += RECORDED_SUFFIX
+            elif stream and stream[0] == PREDICTED:
+                name += RECORDED_SUFFIX + PREDICTED_SUFFIX
             sender.groups[index] = (name, size, members)
         elif item[0] == "facts":
             sender.facts[item[1]] = item[2]
@@ -218,10 +247,26 @@ def compare(records: dict[int, Any], complete: bool) -> str | None:
             return None
         ordered = [record_of(facts, rank) for rank, facts in zip(ranks, ordered, strict=True)]
     if len({record["op"] for record in ordered}) > 1:
+        if _same_call(ordered):
+            return None
         return mismatch_message(ordered)
     if not complete and ordered[0].get("rule") in _WHOLE_GROUP_RULES:
         return None
     return mismatch_message(ordered)
+
+
+def _same_call(records: list[dict[str, Any]]) -> bool:
+    """True when records of different names are one collective with the same inputs: torch
+    issued it on one rank (the flight recorder's entry) and a call checked in Python on
+    another (``dist.all_reduce`` in a library's code path on one rank only)."""
+    ops = {record["op"] for record in records}
+    issued_by_torch = {op for op in ops if op == DDP_ALL_REDUCE or is_recorded(op)}
+    if not issued_by_torch or (DDP_ALL_REDUCE in ops and issued_by_torch != ops):
+        return False  # DDP's all-reduce against a call in Python: never the same step
+    if len({base_operation(op) for op in ops}) > 1:
+        return False
+    keys = {(record["key"]["shape"], record["key"]["dtype"]) for record in records}
+    return len(keys) == 1 or any(record["rule"] == "none" for record in records)
 
 
 @dataclass
@@ -240,6 +285,7 @@ def owed_calls(
     task: int,
     idle: set[int],
     skip: set[tuple[int, str, int]],
+    highest: dict[tuple[int, str, int], int] | None = None,
 ) -> Owed:
     """Which collectives of ``task`` ranks in ``idle`` owe, and the calls that release them.
 
@@ -252,20 +298,27 @@ def owed_calls(
     from nblaunch.ranks.release import unsupported
 
     owed = Owed()
+    highest = highest or {}
     for key, records in open_calls.items():
         call_task, group, n = key
         if call_task != task or key in skip:
             continue
+        first = min(records)
+        record = records[first]
+        if type(record) is tuple:  # a call's facts, as ranks send them
+            record = record_of(record, first)
+        recorded = group.endswith(RECORDED_SUFFIX)
+        if recorded and not (record["op"] == DDP_ALL_REDUCE or is_recorded(record["op"])):
+            continue  # a call checked in Python: its own numbers say what is owed
         ranks = members.get(group)
         if ranks is None:
             return Owed(problem=f"the ranks of process group {group} are not known")
         missing = [rank for rank in ranks if rank not in records]
         if not missing or any(rank not in idle for rank in missing):
             continue
-        first = min(records)
-        record = records[first]
-        if type(record) is tuple:  # a call's facts, as ranks send them
-            record = record_of(record, first)
+        if recorded and any(highest.get((call_task, group, r), 0) > n for r in missing):
+            continue  # sent later entries: this one was overwritten before it was read
+        group = group.removesuffix(RECORDED_SUFFIX)
         problem = unsupported(record)
         if problem:
             waiting = ", ".join(map(str, sorted(records)))
@@ -293,6 +346,10 @@ class CollectiveChecks:
         self.open: dict[tuple[int, str, int], dict[int, Any]] = {}
         self.members: dict[str, list[int]] = {}  # group name -> its ranks, once a call said
         self.compared = 0  # collectives every rank of the group reported, found consistent
+        # (task, recorder group, rank) -> the highest entry the rank sent
+        self.highest: dict[tuple[int, str, int], int] = {}
+        # (task, recorder group, n, rank) -> when it came, a call's predicted entry
+        self.predicted: dict[tuple[int, str, int, int], tuple[float, dict[str, Any]]] = {}
         self.found: RootCause | None = None
         self.reported = False
         self.forwards: bool | None = None  # see _forwards
@@ -316,15 +373,25 @@ class CollectiveChecks:
         while peers did (:func:`owed_calls`); ``skip``: collectives released already."""
         if self.found is not None:
             return Owed(problem="the ranks called mismatched collectives")
-        return owed_calls(self.open, self.members, task, idle, skip)
+        return owed_calls(self.open, self.members, task, idle, skip, self.highest)
 
     def _take(self, call: dict[str, Any]) -> None:
+        if call["group"].endswith(PREDICTED_SUFFIX):
+            call["group"] = call["group"].removesuffix(PREDICTED_SUFFIX)
+            key = (call["task"], call["group"], call["n"], call["rank"])
+            if len(self.predicted) >= MAX_OPEN:
+                del self.predicted[next(iter(self.predicted))]
+            self.predicted[key] = (time.monotonic(), call)
+            return
         if call.get("members"):
             self.members[call["group"]] = call["members"]
         if self.found is not None:
             return
         rank = call["rank"]
         key = (call["task"], call["group"], call["n"])
+        if call["group"].endswith(RECORDED_SUFFIX):
+            mark = (call["task"], call["group"], rank)
+            self.highest[mark] = max(self.highest.get(mark, 0), call["n"])
         records = self.open.get(key)
         if records is None:
             if len(self.open) >= MAX_OPEN:
@@ -341,11 +408,28 @@ class CollectiveChecks:
             del self.open[key]
             self.compared += 1
 
+    def _take_predicted(self, now: float, gone: set[int]) -> None:
+        """The predicted entries whose own entry did not come (see ``PREDICTED_WAIT_S``); at
+        once for ranks ``gone`` (failed or aborted: their reader will send nothing more)."""
+        for key, (when, call) in list(self.predicted.items()):
+            task, group, n, rank = key
+            if (
+                rank in self.open.get((task, group, n), ())
+                or self.highest.get((task, group, rank), 0) >= n
+            ):
+                del self.predicted[key]  # the entry came
+            elif rank in gone or now - when >= PREDICTED_WAIT_S:
+                del self.predicted[key]
+                self._take(call)
+
     def check(self, run: RunContext) -> RootCause | None:
         if self.reader is not None and not self.reported:
             calls = self.reader.read()
             for call in calls:
                 self._take(call)
+            if self.predicted:
+                gone = {failure.rank for failure in run.outcome.failures}
+                self._take_predicted(time.monotonic(), gone)
             if calls and self._forwards(run):
                 run.publish({"kind": "collectives", "calls": calls})  # type: ignore[typeddict-item]
         if self.found is None or self.reported:
@@ -363,7 +447,10 @@ class CollectiveChecks:
 
     def _root(self, call: dict[str, Any], records: dict[int, Any], message: str) -> RootCause:
         ranks = sorted(records)
-        group = "the default group" if call["group"] == "0" else f"process group {call['group']}"
+        name = call["group"].removesuffix(RECORDED_SUFFIX)
+        group = "the default group" if name == "0" else f"process group {name}"
+        if name != call["group"]:
+            group += " (torch's numbers, from its flight recorder)"
         message = cell_names(message) + (
             f"\n\nFound by nblaunch's checks (on by default), comparing the calls of ranks "
             f"{', '.join(map(str, ranks))} at collective #{call['n']} of {group}. The mismatched "
