@@ -46,15 +46,17 @@ BLOCK = 25  # steps per block in the alternating launch
 BLOCKS = 16  # blocks of each kind per launch
 
 
-def mlp() -> Any:
-    """The step's model, the same weights every time."""
+def mlp(width: int = WIDTH, layers: int = 3) -> Any:
+    """The step's model, the same weights every time (``layers`` linear layers, on the rank's
+    device)."""
     import torch
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10)
-    )
+    parts: list[Any] = []
+    for _ in range(layers - 1):
+        parts += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*parts, nn.Linear(width, 10)).to(nblaunch.device())
 
 
 def ddp_step(model: Any, optimizer: Any, inputs: Any, targets: Any, loss_fn: Any) -> None:
@@ -114,7 +116,9 @@ def train_step_timing(library: str, steps: int, warmup: int) -> tuple[float, flo
     return (time.perf_counter() - started) / steps, (time.process_time() - cpu) / steps
 
 
-def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, float]]]:
+def alternating_blocks(
+    blocks: int, block: int, width: int = WIDTH, layers: int = 3
+) -> dict[str, list[tuple[float, float]]]:
     """In a rank of a launch with the default checks: the step of ``train_step_timing``,
     timed in blocks of ``block`` steps that alternate between checked and unchecked (A B B A:
     each kind as often first), ``blocks`` of each. Unchecked is what ``debug=False`` runs:
@@ -159,15 +163,17 @@ def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, f
             if reader is not None:
                 reader.resume()  # its catching up is paid in the checked block
 
-    inputs = torch.randn(BATCH, WIDTH)
-    targets = torch.randint(0, 10, (BATCH,))
+    device = nblaunch.device()
+    inputs = torch.randn(BATCH, width, device=device)
+    targets = torch.randint(0, 10, (BATCH,), device=device)
     loss_fn = nn.CrossEntropyLoss()
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     # Two models of each kind, made C U U C and used in turn: where a model's tensors land in
     # memory moves its step by a few percent, and that must not pass for the checks' cost.
     models: dict[str, list[Any]] = {"checked": [], "unchecked": []}
     for kind in ("checked", "unchecked", "unchecked", "checked"):
         with contextlib.nullcontext() if kind == "checked" else unchecked():
-            model = DDP(mlp())
+            model = DDP(mlp(width, layers))
         models[kind].append((model, torch.optim.SGD(model.parameters(), lr=0.01)))
 
     def steps(kind: str, n: int, block: int) -> None:
@@ -180,8 +186,10 @@ def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, f
         kind = "checked" if i % 4 in (0, 3) else "unchecked"
         with contextlib.nullcontext() if kind == "checked" else unchecked():
             dist.barrier()
+            synchronize()
             started, cpu = time.perf_counter(), time.process_time()
             steps(kind, block, i // 2)
+            synchronize()
             elapsed = (time.perf_counter() - started) / block, (time.process_time() - cpu) / block
         if i >= 4:
             times[kind].append(elapsed)

@@ -164,3 +164,37 @@ def test_gloo_says_nothing_of_its_progress(monkeypatch):
     dump["entries"][0]["profiling_name"] = "gloo:all_reduce"
     monkeypatch.setattr(process_groups, "_dumps", lambda **_: [dump])
     assert process_groups.in_flight("0", 7).progress == ""
+
+
+# --- scripts/gpu-bench ----------------------------------------------------------------------------
+
+
+def test_gpu_benchs_dry_run_prints_every_measure():
+    """``scripts/gpu-bench --cpu``: the GPU benchmark's dry run on 2 CPU ranks, under a minute."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu-bench"
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(script), "--cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert table[0] == "| measure (2 CPU rank(s), gloo) | value | detail |", done.stdout
+    names = [line.split(" | ")[0].removeprefix("| ") for line in table[1:]]
+    assert names == [
+        "launch: first, then warm (spare ranks)",
+        "default checks on a DDP step, checked vs unchecked blocks in one launch",
+        "flight recorder: one full read / one look at the counts",
+        "a real out-of-memory retried down to a batch that fits",
+    ], done.stdout
+    assert "failed" not in done.stdout
+    assert elapsed < 60, elapsed
