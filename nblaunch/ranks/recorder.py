@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from nblaunch.ranks import fingerprints, process_groups
+from nblaunch.ranks import fingerprints, process_groups, this_rank
 from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, RECORDED
 
 # How often the thread looks at the groups' counts (3 µs), and reads the new entries when a
@@ -289,7 +289,7 @@ def _task_site(target: int) -> str:
 
 @contextlib.contextmanager
 def reading(outbox: fingerprints.Outbox | None) -> Any:
-    """Read the recorder for ``outbox``'s task while the block runs (the checks' task hook)."""
+    """Read the recorder for ``outbox``'s task while the block runs."""
     if outbox is None or recorder_size() == 0:
         yield None
         return
@@ -309,3 +309,11 @@ _reader: RecorderReader | None = None
 def current() -> RecorderReader | None:
     """The running task's reader, while the checks read the recorder."""
     return _reader
+
+
+def _task_hook(context: this_rank.RankContext) -> contextlib.AbstractContextManager[Any]:
+    # Registered after fingerprints' hook (worker.RANK_FEATURES): the task's outbox is open.
+    return reading(fingerprints.current())
+
+
+this_rank.add_task_hook(_task_hook)

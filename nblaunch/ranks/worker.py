@@ -37,6 +37,7 @@ RANK_FEATURES = (
     "nblaunch.ranks.trigger",
     "nblaunch.ranks.fingerprints",
     "nblaunch.ranks.debug_patches",
+    "nblaunch.ranks.recorder",  # after fingerprints: its hook runs inside the outbox's
     "nblaunch.ranks.batch_size",
     "nblaunch.ranks.waits",
     "nblaunch.ranks.heartbeat",
