@@ -60,9 +60,11 @@ READ_BYTES = 1 << 19
 # checked in Python (numbered by the checks): their group's name ends with this.
 RECORDED_SUFFIX = "@recorder"
 # A call's entry as its rank predicted it (sent before the collective ran) is used only when the
-# entry itself did not come within this long: its rank was aborted (gloo, on a size mismatch).
-PREDICTED_WAIT_S = 0.5
+# entry itself never came and the rank failed: gloo aborts a rank on a size mismatch before its
+# reader sends the entry.
 PREDICTED_SUFFIX = "@predicted"
+# How long a failed rank's predicted entries wait for their peers' (once per failure).
+PEERS_WAIT_S = 0.3
 
 
 @dataclass
@@ -348,8 +350,8 @@ class CollectiveChecks:
         self.compared = 0  # collectives every rank of the group reported, found consistent
         # (task, recorder group, rank) -> the highest entry the rank sent
         self.highest: dict[tuple[int, str, int], int] = {}
-        # (task, recorder group, n, rank) -> when it came, a call's predicted entry
-        self.predicted: dict[tuple[int, str, int, int], tuple[float, dict[str, Any]]] = {}
+        # (task, recorder group, n, rank) -> a call's predicted entry
+        self.predicted: dict[tuple[int, str, int, int], dict[str, Any]] = {}
         self.found: RootCause | None = None
         self.reported = False
         self.forwards: bool | None = None  # see _forwards
@@ -381,7 +383,7 @@ class CollectiveChecks:
             key = (call["task"], call["group"], call["n"], call["rank"])
             if len(self.predicted) >= MAX_OPEN:
                 del self.predicted[next(iter(self.predicted))]
-            self.predicted[key] = (time.monotonic(), call)
+            self.predicted[key] = call
             return
         if call.get("members"):
             self.members[call["group"]] = call["members"]
@@ -408,17 +410,36 @@ class CollectiveChecks:
             del self.open[key]
             self.compared += 1
 
-    def _take_predicted(self, now: float, gone: set[int]) -> None:
-        """The predicted entries whose own entry did not come (see ``PREDICTED_WAIT_S``); at
-        once for ranks ``gone`` (failed or aborted: their reader will send nothing more)."""
-        for key, (when, call) in list(self.predicted.items()):
+    def _await_peers(self, gone: set[int]) -> list[dict[str, Any]]:
+        """Read on for up to ``PEERS_WAIT_S`` while a predicted entry of a rank ``gone`` has
+        no peer's entry to meet: the peers' readers send theirs within a poll (50 ms), and the
+        run's verdict on the failure comes right after this check."""
+        assert self.reader is not None
+        taken: list[dict[str, Any]] = []
+        deadline = time.monotonic() + PEERS_WAIT_S
+        while time.monotonic() < deadline:
+            if not any(
+                rank in gone and not self.open.get((task, group, n))
+                for task, group, n, rank in self.predicted
+            ):
+                break
+            time.sleep(0.01)
+            for call in self.reader.read():
+                self._take(call)
+                taken.append(call)
+        return taken
+
+    def _take_predicted(self, gone: set[int]) -> None:
+        """The predicted entries of ranks ``gone`` (failed or aborted: their reader will send
+        nothing more) whose own entry did not come."""
+        for key, call in list(self.predicted.items()):
             task, group, n, rank = key
             if (
                 rank in self.open.get((task, group, n), ())
                 or self.highest.get((task, group, rank), 0) >= n
             ):
                 del self.predicted[key]  # the entry came
-            elif rank in gone or now - when >= PREDICTED_WAIT_S:
+            elif rank in gone:
                 del self.predicted[key]
                 self._take(call)
 
@@ -427,9 +448,10 @@ class CollectiveChecks:
             calls = self.reader.read()
             for call in calls:
                 self._take(call)
-            if self.predicted:
+            if self.predicted and run.outcome.failures:
                 gone = {failure.rank for failure in run.outcome.failures}
-                self._take_predicted(time.monotonic(), gone)
+                calls += self._await_peers(gone)
+                self._take_predicted(gone)
             if calls and self._forwards(run):
                 run.publish({"kind": "collectives", "calls": calls})  # type: ignore[typeddict-item]
         if self.found is None or self.reported:

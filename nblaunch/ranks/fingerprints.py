@@ -143,6 +143,7 @@ class Outbox:
         self.routes: dict[Any, Route | None] = {}
         self.facts: dict[tuple[Any, ...], int] = {}  # the facts sent so far, by their index
         self.claims: deque[Claim] = deque(maxlen=MAX_CLAIMS)
+        self.predicting = False  # the recorder's reader runs (ranks/recorder.py sets it)
         self._lock = threading.Lock()
         self.pipe: int | None = None  # the pipe's writing end
         read_end = -1
@@ -204,10 +205,10 @@ class Outbox:
             offset = _offsets.get(route.name)
             if offset is None or offset[1] != posted:  # gloo counts its sends, the recorder not
                 offset = (-posted if route.gloo else 0, posted)
-            if seq >= 0:
+            if seq >= 0 and self.predicting:
                 # The recorder's number this call should have, sent now, before the collective
                 # runs: gloo may abort this rank at once on a mismatch, and its reader then
-                # never sends the entry. The launcher uses it only if the entry never comes.
+                # never sends the entry. The launcher uses it only if the rank failed without it.
                 self._add_recorded(route, seq + 1 + offset[0], index, predicted=True)
             return claim
 

@@ -118,6 +118,8 @@ class RecorderReader:
         """Skip what earlier tasks recorded, then read in the background."""
         if not self._dumps:
             return
+        if self.outbox is not None:
+            self.outbox.predicting = True
         with contextlib.suppress(Exception):
             self.counts = self._counts()
             for entry in self._entries():
