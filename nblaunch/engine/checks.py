@@ -42,7 +42,8 @@ from nblaunch.ranks.fingerprints import (
     CALL_TAG,
     DEFINITION,
     DEFINITION_TAG,
-    PREDICTED,
+    PREDICTED_CALL,
+    PREDICTED_TAG,
     RECORDER,
 )
 
@@ -59,10 +60,9 @@ READ_BYTES = 1 << 19
 # How a group's collectives as the flight recorder numbers them are told apart from the calls
 # checked in Python (numbered by the checks): their group's name ends with this.
 RECORDED_SUFFIX = "@recorder"
-# A call's entry as its rank predicted it (sent before the collective ran) is used only when the
-# entry itself never came and the rank failed: gloo aborts a rank on a size mismatch before its
-# reader sends the entry.
-PREDICTED_SUFFIX = "@predicted"
+# A call's entry in the recorder as its rank predicted it (sent with the call, before the
+# collective ran) is used only when the rank failed without sending the entry itself: gloo
+# aborts a rank on a size mismatch before its reader sees the entry.
 # How long a failed rank's predicted entries wait for their peers' (once per failure).
 PEERS_WAIT_S = 0.3
 
@@ -173,11 +173,13 @@ def _parse(sender: _Sender, buffer: bytes, calls: list[dict[str, Any]]) -> bytes
     """Append the calls of ``buffer``'s whole messages to ``calls``; return the rest."""
     start, end = 0, len(buffer)
     while start < end:
-        if buffer[start] == CALL_TAG:
-            if end - start < CALL.size:
+        tag = buffer[start]
+        if tag in (CALL_TAG, PREDICTED_TAG):
+            layout = CALL if tag == CALL_TAG else PREDICTED_CALL
+            if end - start < layout.size:
                 break
-            _, group, n, facts = CALL.unpack_from(buffer, start)
-            start += CALL.size
+            _, group, n, facts, *predicted = layout.unpack_from(buffer, start)
+            start += layout.size
             name, size, members = sender.groups[group]
             first = group not in sender.announced  # its ranks go with its first call
             sender.announced.add(group)
@@ -192,8 +194,10 @@ def _parse(sender: _Sender, buffer: bytes, calls: list[dict[str, Any]]) -> bytes
                     "members": members if first else None,
                 }
             )
+            if predicted:  # the recorder's number this call should get
+                calls[-1]["predicted"] = predicted[0]
             continue
-        if buffer[start] != DEFINITION_TAG:
+        if tag != DEFINITION_TAG:
             raise ValueError(f"not a message: {buffer[start : start + 8]!r}")
         if end - start < DEFINITION.size:
             break
@@ -208,8 +212,7 @@ def _parse(sender: _Sender, buffer: bytes, calls: list[dict[str, Any]]) -> bytes
             _, index, name, size, members, *stream = item
             if stream and stream[0] == RECORDER:  # the flight recorder's numbers
                 name += RECORDED_SUFFIX
-            elif stream and stream[0] == PREDICTED:
-                name += RECORDED_SUFFIX + PREDICTED_SUFFIX
+
             sender.groups[index] = (name, size, members)
         elif item[0] == "facts":
             sender.facts[item[1]] = item[2]
@@ -350,8 +353,8 @@ class CollectiveChecks:
         self.compared = 0  # collectives every rank of the group reported, found consistent
         # (task, recorder group, rank) -> the highest entry the rank sent
         self.highest: dict[tuple[int, str, int], int] = {}
-        # (task, recorder group, n, rank) -> a call's predicted entry
-        self.predicted: dict[tuple[int, str, int, int], dict[str, Any]] = {}
+        # (task, group, rank) -> the rank's last call there that said its recorder number
+        self.predicted: dict[tuple[int, str, int], dict[str, Any]] = {}
         self.found: RootCause | None = None
         self.reported = False
         self.forwards: bool | None = None  # see _forwards
@@ -378,13 +381,9 @@ class CollectiveChecks:
         return owed_calls(self.open, self.members, task, idle, skip, self.highest)
 
     def _take(self, call: dict[str, Any]) -> None:
-        if call["group"].endswith(PREDICTED_SUFFIX):
-            call["group"] = call["group"].removesuffix(PREDICTED_SUFFIX)
-            key = (call["task"], call["group"], call["n"], call["rank"])
-            if len(self.predicted) >= MAX_OPEN:
-                del self.predicted[next(iter(self.predicted))]
-            self.predicted[key] = call
-            return
+        predicted = call.get("predicted")
+        if predicted is not None:  # only the last one per group and rank can be needed
+            self.predicted[(call["task"], call["group"], call["rank"])] = call
         if call.get("members"):
             self.members[call["group"]] = call["members"]
         if self.found is not None:
@@ -412,15 +411,16 @@ class CollectiveChecks:
 
     def _await_peers(self, gone: set[int]) -> list[dict[str, Any]]:
         """Read on for up to ``PEERS_WAIT_S`` while a predicted entry of a rank ``gone`` has
-        no peer's entry to meet: the peers' readers send theirs within a poll (50 ms), and the
-        run's verdict on the failure comes right after this check."""
+        no peer's entry to meet: the peers' readers send theirs within a poll, and the run's
+        verdict on the failure comes right after this check."""
         assert self.reader is not None
         taken: list[dict[str, Any]] = []
         deadline = time.monotonic() + PEERS_WAIT_S
         while time.monotonic() < deadline:
             if not any(
-                rank in gone and not self.open.get((task, group, n))
-                for task, group, n, rank in self.predicted
+                not self.open.get((task, group + RECORDED_SUFFIX, call["predicted"]))
+                for (task, group, rank), call in self.predicted.items()
+                if rank in gone
             ):
                 break
             time.sleep(0.01)
@@ -430,18 +430,16 @@ class CollectiveChecks:
         return taken
 
     def _take_predicted(self, gone: set[int]) -> None:
-        """The predicted entries of ranks ``gone`` (failed or aborted: their reader will send
-        nothing more) whose own entry did not come."""
+        """The last predicted entry of each group of ranks ``gone`` (failed or aborted: their
+        reader will send nothing more), where the rank did not send the entry itself."""
         for key, call in list(self.predicted.items()):
-            task, group, n, rank = key
-            if (
-                rank in self.open.get((task, group, n), ())
-                or self.highest.get((task, group, rank), 0) >= n
-            ):
-                del self.predicted[key]  # the entry came
-            elif rank in gone:
-                del self.predicted[key]
-                self._take(call)
+            task, group, rank = key
+            if rank not in gone:
+                continue
+            del self.predicted[key]
+            recorded = group + RECORDED_SUFFIX
+            if self.highest.get((task, recorded, rank), 0) < call["predicted"]:
+                self._take({**call, "group": recorded, "n": call["predicted"], "predicted": None})
 
     def check(self, run: RunContext) -> RootCause | None:
         if self.reader is not None and not self.reported:

@@ -54,8 +54,11 @@ SEND_BUFFER_BYTES = 1 << 18
 # the group, the index of its facts) or a definition (tag, length, a pickled tuple: ``("rank",
 # rank, task)`` first, then ``("group", index, name, size, ranks)`` and ``("facts", index,
 # facts)`` before the first call that uses them).
-CALL_TAG, DEFINITION_TAG = 1, 2
+CALL_TAG, DEFINITION_TAG, PREDICTED_TAG = 1, 2, 3
 CALL = struct.Struct("<BIII")
+# A call with the number the flight recorder should give it (tag, group, number, facts, that
+# number): the launcher uses it only if the rank fails without sending the recorder's entry.
+PREDICTED_CALL = struct.Struct("<BIIII")
 DEFINITION = struct.Struct("<BI")
 # Distinct facts numbered per task; past this the numbers start again (the launcher's table
 # is overwritten definition by definition: shapes that change every step must not grow it).
@@ -65,7 +68,7 @@ MAX_FACTS = 4096
 MAX_CLAIMS = 4096
 # The two streams of calls: the calls checked here, numbered by this module; the flight
 # recorder's entries, numbered by torch (``collective_seq_id``), read by ranks/recorder.py.
-CALLS, RECORDER, PREDICTED = "calls", "recorder", "predicted"
+CALLS, RECORDER = "calls", "recorder"
 # Per group name: what the recorder's number of a call is, as the reader last found it: (its
 # number - the group's sequence number before the call - 1, the point-to-point posts then).
 _offsets: dict[str, tuple[int, int]] = {}
@@ -96,7 +99,6 @@ class Route:
         self.stream = stream
         self.group = group  # the process group
         self.recorded: Route | None = None  # the same group's route for the recorder's entries
-        self.predicted: Route | None = None  # and for the calls' entries, sent ahead of them
         self.gloo = False
         if group is not None:
             with contextlib.suppress(Exception):
@@ -196,47 +198,38 @@ class Outbox:
         # not interleave their bytes, and the numbers must go out in order.
         with self._lock:
             route.calls += 1
-            index = self._send(route, route.calls, facts)
+            seq, posted = _sequence(route.group), waits.posted_on(route.name)
+            predicted = -1
+            if seq >= 0 and self.predicting:
+                # The recorder's number this call should have, sent with it, before the
+                # collective runs: gloo may abort this rank at once on a mismatch, and its
+                # reader then never sends the entry.
+                offset = _offsets.get(route.name)
+                if offset is None or offset[1] != posted:  # gloo counts its sends, its recorder not
+                    offset = (-posted if route.gloo else 0, posted)
+                predicted = seq + 1 + offset[0]
+            index = self._send(route, route.calls, facts, predicted)
             if index is None:
                 return None
-            seq, posted = _sequence(route.group), waits.posted_on(route.name)
             claim = Claim(route, index, seq, posted)
             self.claims.append(claim)
-            offset = _offsets.get(route.name)
-            if offset is None or offset[1] != posted:  # gloo counts its sends, the recorder not
-                offset = (-posted if route.gloo else 0, posted)
-            if seq >= 0 and self.predicting:
-                # The recorder's number this call should have, sent now, before the collective
-                # runs: gloo may abort this rank at once on a mismatch, and its reader then
-                # never sends the entry. The launcher uses it only if the rank failed without it.
-                self._add_recorded(route, seq + 1 + offset[0], index, predicted=True)
             return claim
 
     def add_recorded(self, route: Route, seq: int, facts: tuple[Any, ...] | int) -> None:
         """Send the flight recorder's entry ``seq`` of ``route``'s group: its facts, or the
         index of facts already sent (a call checked here that issued it)."""
         with self._lock:
-            self._add_recorded(route, seq, facts)
+            recorded = route.recorded
+            if recorded is None:
+                recorded = route.recorded = Route(
+                    1_000_000 + route.index, route.name, route.members, RECORDER
+                )
+            recorded.calls += 1
+            self._send(recorded, seq, facts)
 
-    def _add_recorded(
-        self, route: Route, seq: int, facts: tuple[Any, ...] | int, predicted: bool = False
-    ) -> None:
-        recorded = route.predicted if predicted else route.recorded
-        if recorded is None:
-            recorded = Route(
-                (2_000_000 if predicted else 1_000_000) + route.index,
-                route.name,
-                route.members,
-                PREDICTED if predicted else RECORDER,
-            )
-            if predicted:
-                route.predicted = recorded
-            else:
-                route.recorded = recorded
-        recorded.calls += 1
-        self._send(recorded, seq, facts)
-
-    def _send(self, route: Route, n: int, facts: tuple[Any, ...] | int) -> int | None:
+    def _send(
+        self, route: Route, n: int, facts: tuple[Any, ...] | int, predicted: int = -1
+    ) -> int | None:
         """Write call ``n`` of ``route`` (and the definitions it needs); the facts' index."""
         if self.pipe is None:
             return None
@@ -255,7 +248,10 @@ class Outbox:
                     self.claims.clear()  # their indices are about to mean other facts
                 index = self.facts[facts] = len(self.facts)
                 message += definition(("facts", index, facts))
-        message += CALL.pack(CALL_TAG, route.index, n, index)
+        if predicted >= 0:
+            message += PREDICTED_CALL.pack(PREDICTED_TAG, route.index, n, index, predicted)
+        else:
+            message += CALL.pack(CALL_TAG, route.index, n, index)
         try:
             while message:  # one write unless a signal cut it short
                 message = message[os.write(self.pipe, message) :]

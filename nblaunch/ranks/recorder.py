@@ -4,8 +4,9 @@ torch records every collective its process groups issue, from Python or from C++
 gradient all-reduce in ``backward()``, its broadcasts, FSDP's all-gathers), in its flight
 recorder (on for gloo and NCCL while ``TORCH_FR_BUFFER_SIZE`` > 0; nblaunch turns it on,
 :mod:`nblaunch.ranks.process_groups`). While the out-of-band checks are on, a thread of each
-task (:class:`RecorderReader`) reads the entries made since its last look, about 20 times a
-second and only when a group's count moved, and sends each one's fingerprint (operation, input
+task (:class:`RecorderReader`) looks at the groups' counts 50 times a second and reads the
+entries made since its last read once half the recorder is new or the oldest is a quarter of a
+second old (see ``POLL_S``), and sends each one's fingerprint (operation, input
 sizes, dtypes, its number on its group: ``collective_seq_id``) down the checks' pipe
 (:mod:`nblaunch.ranks.fingerprints`), where the launcher compares them as it compares the
 calls checked in Python (:mod:`nblaunch.engine.checks`). Nothing runs in the training step:
@@ -22,6 +23,7 @@ the task's thread is on when the entry is read (the ``loss.backward()`` a rank w
 from __future__ import annotations
 
 import contextlib
+import json
 import pickle
 import sys
 import threading
@@ -31,12 +33,12 @@ from typing import Any
 from nblaunch.ranks import fingerprints, process_groups, this_rank
 from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, RECORDED
 
-# How often the thread looks at the groups' counts (3 µs), and reads the new entries when a
-# count moved: a read takes about 5 µs per entry the recorder holds (0.32 ms for 64, measured
-# on this project's CPU), whatever number of them is new. When a read finds half the recorder
-# new, the next look comes sooner, so that entries are not overwritten before they are read.
-POLL_S = 0.05
-FAST_POLL_S = 0.01
+# How often the thread looks at the groups' counts (a few µs), and when it reads the new entries:
+# a read takes about 5 µs per entry the recorder holds (0.32 ms for 64 on this project's CPU),
+# however few are new, so it waits until half the recorder is new, or the oldest unread entry is
+# ``MAX_LAG_S`` old (a rank that hangs or waits has its last entries read by then).
+POLL_S = 0.02
+MAX_LAG_S = 0.25
 # torch's names of dtypes in the recorder, as torch.dtype prints them (others are kept as is).
 DTYPES = {
     "Float": "torch.float32",
@@ -108,7 +110,11 @@ class RecorderReader:
         self.reads = 0  # full reads
         self.read_s = 0.0  # time spent in them
         self.paused = False
-        self.busy = False  # the last read found half the recorder new
+        self.waiting_since: float | None = None  # when a count moved, unread since
+        self.issued = 0  # collectives issued on every group at the last read
+        self.counts_seen: Any = None  # the counts at the last look
+        # (when, the task thread's line) at each look that saw a count move, since the last read
+        self.sites: list[tuple[int, str]] = []
         self._size = recorder_size() or process_groups.FLIGHT_RECORDER_ENTRIES
         self._dumps = _dump_functions()
         self._stop = threading.Event()
@@ -122,6 +128,7 @@ class RecorderReader:
             self.outbox.predicting = True
         with contextlib.suppress(Exception):
             self.counts = self._counts()
+            self.issued = _issued(self.counts)
             for entry in self._entries():
                 self.newest = max(self.newest, int(entry.get("record_id", -1)))
         self._thread.start()
@@ -135,11 +142,11 @@ class RecorderReader:
             self.read()
 
     def _run(self) -> None:
-        while not self._stop.wait(FAST_POLL_S if self.busy else POLL_S):
+        while not self._stop.wait(POLL_S):
             if self.paused:
                 continue
             try:
-                self.read()
+                self.read(lazily=True)
             except Exception:
                 return  # the launcher went away, or torch's dump failed: nothing to check
 
@@ -150,30 +157,41 @@ class RecorderReader:
     def resume(self) -> None:
         with contextlib.suppress(Exception):
             self.counts = self._counts()
+            self.issued = _issued(self.counts)
             for entry in self._entries():
                 self.newest = max(self.newest, int(entry.get("record_id", -1)))
         self.paused = False
 
-    def read(self) -> None:
-        """Send the entries recorded since the last read, if a group's count moved."""
+    def read(self, lazily: bool = False) -> None:
+        """Send the entries recorded since the last read, if a group's count moved; ``lazily``:
+        only once half the recorder is new or the oldest new entry waited ``MAX_LAG_S``."""
         counts = self._counts()
+        if counts != self.counts_seen:  # a count moved since the last look
+            self.counts_seen = counts
+            # Where the task's thread is now: the line of what torch issued since then.
+            self.sites.append((time.time_ns(), _task_site(self.target)))
         if counts == self.counts:
-            return
-        self.counts = counts
+            return  # nothing new since the last read
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+        if lazily:
+            new = _issued(counts) - self.issued
+            if 2 * new < self._size and time.monotonic() - self.waiting_since < MAX_LAG_S:
+                return
+        self.counts, self.waiting_since = counts, None
+        self.issued = _issued(counts)
         began = time.perf_counter()
         entries = [e for e in self._entries() if int(e.get("record_id", -1)) > self.newest]
         self.reads += 1
         if not entries:
             self.read_s += time.perf_counter() - began
-            self.busy = False
             return
         entries.sort(key=lambda e: int(e.get("record_id", -1)))
         first = int(entries[0].get("record_id", -1))
         if self.newest >= 0 and first > self.newest + 1:
             self.lost += first - self.newest - 1
         self.newest = int(entries[-1].get("record_id", -1))
-        self.busy = 2 * len(entries) >= self._size
-        site = None  # the task's line, once, for the entries torch issued
+        sites, self.sites = self.sites, []
         for entry in entries:
             if entry.get("is_p2p"):
                 continue  # sends and receives differ by design
@@ -189,8 +207,7 @@ class RecorderReader:
                     fingerprints.learn_offset(claim, seq)
                 self.outbox.add_recorded(route, seq, claim.facts)
             else:
-                if site is None:
-                    site = _task_site(self.target)
+                site = _site_after(sites, int(entry.get("time_created_ns", 0)))
                 self.outbox.add_recorded(route, seq, self._facts(entry, name, site))
             self.sent += 1
         self.read_s += time.perf_counter() - began
@@ -252,6 +269,24 @@ class RecorderReader:
             shapes = tuple(tuple(int(n) for n in s) for s in entry.get("input_sizes") or ())
             dtypes = tuple(DTYPES.get(str(d), str(d)) for d in entry.get("input_dtypes") or ())
         return (label, site, rule, 0, shapes, dtypes, (), None, (), None)
+
+
+def _site_after(sites: list[tuple[int, str]], created: int) -> str:
+    """The line the task's thread was on at the first look after ``created`` (ns)."""
+    for when, site in sites:
+        if when >= created:
+            return site
+    return sites[-1][1] if sites else "unknown location"
+
+
+def _issued(counts: Any) -> int:
+    """Collectives issued on every group, from the recorders' counts (``_counts``)."""
+    total = 0
+    for status in counts or ():
+        with contextlib.suppress(Exception):
+            for group in (json.loads(status).get("pg_status") or {}).values():
+                total += max(int(group.get("last_enqueued_collective", -1)), 0)
+    return total
 
 
 def _dump_functions() -> list[tuple[Any, Any]]:
