@@ -240,7 +240,7 @@ def _backend(group: Any) -> str:
 
 
 @contextlib.contextmanager
-def verified_collectives() -> Iterator[None]:
+def verified_collectives(ddp_hook: bool | None = None) -> Iterator[None]:
     """Verify torch.distributed's own collectives inside this block (debug mode does this).
 
     Replaces ``torch.distributed.all_reduce``, ``broadcast``, ... (see ``PATCHED``) by wrappers
@@ -258,7 +258,7 @@ def verified_collectives() -> Iterator[None]:
             continue
         saved[name] = original
         setattr(dist, name, _wrap(name, original))
-    restore_ddp = _verify_ddp_models(hook=_debugging())
+    restore_ddp = _verify_ddp_models(hook=_debugging() if ddp_hook is None else ddp_hook)
     previous, _verifying = _verifying, True
     try:
         yield
@@ -444,7 +444,7 @@ def _verify_ddp_models(hook: bool = True) -> Callable[[], None]:
 
 def _task_hook(context: this_rank.RankContext) -> contextlib.AbstractContextManager[Any]:
     if context.debug or context.options.get("checks"):
-        return verified_collectives()
+        return verified_collectives(ddp_hook=bool(context.debug))
     return contextlib.nullcontext()
 
 

@@ -25,6 +25,12 @@ Each call goes out before its collective starts, so a rank that hangs in it has 
 launcher where; batching calls would need a thread that wakes up to flush them, and would lose
 the last ones of a rank that gloo aborted.
 
+What torch issues itself (DDP's gradient all-reduce, FSDP's collectives) is read from its
+flight recorder by :mod:`nblaunch.ranks.recorder` and sent down the same pipe as a second
+stream, numbered by the recorder; each call checked here leaves a :class:`Claim` by which the
+reader knows the entries it issued, and says (17 bytes then) the number the recorder will give
+it, for a rank that gloo aborts before its reader sees the entry.
+
 The numbers are this module's own, per group and per task: they count the calls checked here,
 so collectives torch issues out of sight (DDP's bucket rebuild, its buffer broadcast) cannot
 shift them, and a task that failed half-way leaves nothing to the next one.
