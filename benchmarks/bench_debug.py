@@ -6,7 +6,8 @@ table.
 The step: a small MLP wrapped in DistributedDataParallel, synthetic data, SGD, 2 CPU ranks with
 gloo, plus the two collectives a training loop typically makes itself (gather the loss for
 logging, sum the number of correct predictions). Accelerate checks the two explicit
-collectives; nblaunch checks those and DDP's gradient all-reduce (a comm hook).
+collectives; nblaunch checks those and DDP's gradient all-reduce (read from torch's flight
+recorder by a thread of each rank; DDP keeps its own C++ all-reduce).
 
 - nblaunch: ``nblaunch.gather`` and ``nblaunch.all_reduce``, with ``debug=False`` (no checks),
   the default (out-of-band checks: each rank sends its calls to the launcher, which compares
@@ -45,15 +46,17 @@ BLOCK = 25  # steps per block in the alternating launch
 BLOCKS = 16  # blocks of each kind per launch
 
 
-def mlp() -> Any:
-    """The step's model, the same weights every time."""
+def mlp(width: int = WIDTH, layers: int = 3) -> Any:
+    """The step's model, the same weights every time (``layers`` linear layers, on the rank's
+    device)."""
     import torch
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10)
-    )
+    parts: list[Any] = []
+    for _ in range(layers - 1):
+        parts += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*parts, nn.Linear(width, 10)).to(nblaunch.device())
 
 
 def ddp_step(model: Any, optimizer: Any, inputs: Any, targets: Any, loss_fn: Any) -> None:
@@ -113,7 +116,9 @@ def train_step_timing(library: str, steps: int, warmup: int) -> tuple[float, flo
     return (time.perf_counter() - started) / steps, (time.process_time() - cpu) / steps
 
 
-def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, float]]]:
+def alternating_blocks(
+    blocks: int, block: int, width: int = WIDTH, layers: int = 3
+) -> dict[str, list[tuple[float, float]]]:
     """In a rank of a launch with the default checks: the step of ``train_step_timing``,
     timed in blocks of ``block`` steps that alternate between checked and unchecked (A B B A:
     each kind as often first), ``blocks`` of each. Unchecked is what ``debug=False`` runs:
@@ -127,10 +132,11 @@ def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, f
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nblaunch.ranks import fingerprints
+    from nblaunch.ranks import fingerprints, recorder
 
     outbox = fingerprints.current()
     assert outbox is not None, "the checks are off in this launch"
+    reader = recorder.current()  # the flight recorder's reader: paused in unchecked blocks
     # The checks' wrappers of torch.distributed's functions and of DDP's constructor.
     wrapped = {
         name: value
@@ -144,7 +150,9 @@ def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, f
         fingerprints._outbox = None
         for name, function in wrapped.items():
             setattr(dist, name, function.__nblaunch_original__)
-        DDP.__init__ = patched_init.__nblaunch_original__
+        DDP.__init__ = getattr(patched_init, "__nblaunch_original__", patched_init)
+        if reader is not None:
+            reader.pause()
         try:
             yield
         finally:
@@ -152,16 +160,20 @@ def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, f
             for name, function in wrapped.items():
                 setattr(dist, name, function)
             DDP.__init__ = patched_init
+            if reader is not None:
+                reader.resume()  # its catching up is paid in the checked block
 
-    inputs = torch.randn(BATCH, WIDTH)
-    targets = torch.randint(0, 10, (BATCH,))
+    device = nblaunch.device()
+    inputs = torch.randn(BATCH, width, device=device)
+    targets = torch.randint(0, 10, (BATCH,), device=device)
     loss_fn = nn.CrossEntropyLoss()
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     # Two models of each kind, made C U U C and used in turn: where a model's tensors land in
     # memory moves its step by a few percent, and that must not pass for the checks' cost.
     models: dict[str, list[Any]] = {"checked": [], "unchecked": []}
     for kind in ("checked", "unchecked", "unchecked", "checked"):
         with contextlib.nullcontext() if kind == "checked" else unchecked():
-            model = DDP(mlp())
+            model = DDP(mlp(width, layers))
         models[kind].append((model, torch.optim.SGD(model.parameters(), lr=0.01)))
 
     def steps(kind: str, n: int, block: int) -> None:
@@ -174,17 +186,22 @@ def alternating_blocks(blocks: int, block: int) -> dict[str, list[tuple[float, f
         kind = "checked" if i % 4 in (0, 3) else "unchecked"
         with contextlib.nullcontext() if kind == "checked" else unchecked():
             dist.barrier()
+            synchronize()
             started, cpu = time.perf_counter(), time.process_time()
             steps(kind, block, i // 2)
+            synchronize()
             elapsed = (time.perf_counter() - started) / block, (time.process_time() - cpu) / block
         if i >= 4:
             times[kind].append(elapsed)
+    if reader is not None:  # the recorder's reads: how many, and their mean cost
+        times["reads"] = [(reader.reads, reader.read_s)]
     return times
 
 
-def run_alternating() -> tuple[float, float]:
+def run_alternating() -> tuple[float, float, float, float]:
     """One launch of ``alternating_blocks``: checked over unchecked, the slowest rank's median
-    block (wall), and both ranks' median blocks summed (CPU)."""
+    block (wall), and both ranks' median blocks summed (CPU); the flight recorder's reads,
+    mean ms per read and ms per checked step (both ranks' mean; 0 where it did not read)."""
     per_rank = nblaunch.notebook_launcher(
         alternating_blocks, (BLOCKS, BLOCK), num_processes=2, device_type="cpu", display="none"
     )
@@ -194,7 +211,10 @@ def run_alternating() -> tuple[float, float]:
 
     wall = max(median("checked", 0)) / max(median("unchecked", 0))
     cpu = sum(median("checked", 1)) / sum(median("unchecked", 1))
-    return wall, cpu
+    reads = [rank["reads"][0] for rank in per_rank if rank.get("reads")]
+    per_read = statistics.mean(t / n for n, t in reads if n) * 1e3 if reads else 0.0
+    per_step = statistics.mean(t for _, t in reads) / ((BLOCKS + 2) * BLOCK) * 1e3 if reads else 0.0
+    return wall, cpu, per_read, per_step
 
 
 # What each mode passes as notebook_launcher(debug=...).
@@ -287,10 +307,15 @@ def main(rounds: int = ROUNDS) -> None:
         f"{BLOCKS} unchecked, alternating (checked: the default checks; unchecked: as "
         "debug=False). Ratio of the median blocks, median and range over rounds.\n"
     )
-    print("| one launch per round | wall, checked vs. unchecked | CPU, checked vs. unchecked |")
-    print("|---|---:|---:|")
-    walls, cpus = _ratios([w for w, _ in alternating]), _ratios([c for _, c in alternating])
-    print(f"| nblaunch, default checks | {walls} | {cpus} |")
+    print(
+        "| one launch per round | wall, checked vs. unchecked | CPU, checked vs. unchecked "
+        "| recorder: ms per read | recorder: ms per checked step |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    walls, cpus = _ratios([a[0] for a in alternating]), _ratios([a[1] for a in alternating])
+    per_read = statistics.median(a[2] for a in alternating)
+    per_step = statistics.median(a[3] for a in alternating)
+    print(f"| nblaunch, default checks | {walls} | {cpus} | {per_read:.3f} | {per_step:.4f} |")
     sys.stdout.flush()
 
 

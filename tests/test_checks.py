@@ -315,9 +315,11 @@ def test_bench_debugs_alternating_launch_times_both_kinds():
     finally:
         sys.path.remove(str(BENCHMARKS))
     for times in per_rank:
-        assert sorted(times) == ["checked", "unchecked"]
-        for blocks in times.values():
-            assert len(blocks) == 2 and min(min(b) for b in blocks) > 0
+        assert sorted(times) == ["checked", "reads", "unchecked"]
+        for kind in ("checked", "unchecked"):
+            assert len(times[kind]) == 2 and min(min(b) for b in times[kind]) > 0
+        ((reads, read_s),) = times["reads"]  # the flight recorder's reads, in checked blocks
+        assert reads >= 0 and read_s >= 0
 
 
 # --- the monitor alone ----------------------------------------------------------------------------

@@ -85,6 +85,21 @@ def test_launch_warnings_compare_only_the_gpus_used():
     assert doctor.launch_warnings("cuda", 2, gpus=gpus, system="Linux", release="6.1") == []
 
 
+def test_a_small_dev_shm_is_named_with_the_fix(monkeypatch):
+    monkeypatch.delenv("NCCL_SHM_DISABLE", raising=False)
+    warning = doctor.shm_warning(64 << 20)
+    assert warning.startswith("/dev/shm holds only 64 MB (containers get 64 MB by default)")
+    assert "--shm-size=1g" in warning and "NCCL_SHM_DISABLE=1" in warning
+    assert doctor.shm_warning(1 << 30) is None
+    gpus = _gpus(("NVIDIA H200", 141), ("NVIDIA H200", 141))
+    warnings = doctor.launch_warnings("cuda", 2, gpus=gpus, system="Linux", release="6.1")
+    assert warnings == [] or "--shm-size" in warnings[0]  # this machine's own /dev/shm
+    small = doctor.launch_warnings("cuda", 2, gpus=gpus, shm_size=64 << 20, release="6.1")
+    assert small == [warning]
+    monkeypatch.setenv("NCCL_SHM_DISABLE", "1")
+    assert doctor.shm_warning(64 << 20) is None  # the fix, taken
+
+
 def test_visible_devices_select_and_order_gpus(monkeypatch):
     listed = [
         {"index": 0, "name": "A", "memory": GIB, "uuid": "GPU-aaa", "source": "nvml"},

@@ -872,3 +872,33 @@ def test_the_first_launch_imports_no_torch_and_an_early_interrupt_leaves_a_usabl
     *values, torch_imported, seconds = after["out"].split()
     assert values == ["[1,", "1]"] and torch_imported == "False", after["out"]
     assert float(seconds) < 5.0
+
+
+def slow_teardown(marker: str) -> float:
+    """Make this rank's process-group teardown take 0.6 s (as NCCL's does on a GPU) and note
+    when it ended in ``marker`` + the rank."""
+    import torch.distributed as dist
+
+    from nblaunch.ranks import default_group
+
+    original, rank = default_group.tear_down, dist.get_rank()
+
+    def slow() -> None:
+        time.sleep(0.6)
+        original()
+        with open(f"{marker}{rank}", "w") as file:
+            file.write(repr(time.time()))
+
+    default_group.tear_down = slow
+    return time.time()
+
+
+def test_the_values_come_back_before_the_process_groups_teardown(tmp_path):
+    marker = str(tmp_path / "torn-down-")
+    started = time.monotonic()
+    launch(slow_teardown, (marker,))
+    returned, took = time.time(), time.monotonic() - started
+    # Both ranks finish their teardown after the launch returned, and leave nothing behind.
+    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+    ended = [float((tmp_path / f"torn-down-{rank}").read_text()) for rank in (0, 1)]
+    assert all(end > returned for end in ended), (ended, returned, took)

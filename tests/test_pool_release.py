@@ -130,17 +130,20 @@ def test_a_peer_waiting_in_each_collective_is_released_and_keeps_its_names(pool)
 
 
 def make_a_ddp_model():
-    """A DDP model past its first step; says whether its hook saw a first step, then and now."""
+    """A DDP model past its first step; says whether it was at its first step, then and now,
+    and whether it kept DDP's own all-reduce (the checks read it from the flight recorder)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from nblaunch.ranks.debug_patches import first_step
+
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
-    first = model._nblaunch_hook.first_step()
+    first = first_step(model)
     model(torch.ones(4, 8)).sum().backward()
     model(torch.ones(4, 8))  # the forward after the first backward rebuilds the buckets
     rank_namespace()["ddp"] = model
-    return first, model._nblaunch_hook.first_step()
+    return first, first_step(model), not hasattr(model, "_nblaunch_hook")
 
 
 def ddp_step_with_rank_0_leaving():
@@ -169,7 +172,7 @@ def test_a_peer_in_ddps_backward_is_released_once_the_model_took_its_first_step(
     # DDP's first backward rebuilds its buckets, and the next forward broadcasts them: a first
     # step that only rank 1 took would leave that broadcast to rank 1 alone, a hang one cell
     # later. Its records say so (and release.unsupported refuses them: the pool restarts).
-    assert pool.run(make_a_ddp_model) == [(True, False)] * 2
+    assert pool.run(make_a_ddp_model) == [(True, False, True)] * 2
     with pytest.raises(RuntimeError, match="rank 0 leaves before backward") as info:
         pool.run(ddp_step_with_rank_0_leaving)
     assert "rank 0 issued DDP's backward all-reduce" in "\n".join(info.value.__notes__)

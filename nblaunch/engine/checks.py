@@ -19,6 +19,7 @@ import os
 import pickle
 import socket
 import struct
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -28,8 +29,23 @@ from nblaunch.engine.monitor import RunContext
 from nblaunch.engine.source_lines import cell_names
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedOperationException
-from nblaunch.ranks.debug_report import mismatch_message, record_of, same_facts
-from nblaunch.ranks.fingerprints import CALL, CALL_TAG, DEFINITION, DEFINITION_TAG
+from nblaunch.ranks.debug_report import (
+    DDP_ALL_REDUCE,
+    base_operation,
+    is_recorded,
+    mismatch_message,
+    record_of,
+    same_facts,
+)
+from nblaunch.ranks.fingerprints import (
+    CALL,
+    CALL_TAG,
+    DEFINITION,
+    DEFINITION_TAG,
+    PREDICTED_CALL,
+    PREDICTED_TAG,
+    RECORDER,
+)
 
 if TYPE_CHECKING:
     from nblaunch.engine.plan import LaunchPlan
@@ -41,6 +57,14 @@ MAX_OPEN = 10_000
 _WHOLE_GROUP_RULES = ("all_gather", "all_gather_even")
 # Most bytes read from one rank's connection per check (about 2000 records).
 READ_BYTES = 1 << 19
+# How a group's collectives as the flight recorder numbers them are told apart from the calls
+# checked in Python (numbered by the checks): their group's name ends with this.
+RECORDED_SUFFIX = "@recorder"
+# A call's entry in the recorder as its rank predicted it (sent with the call, before the
+# collective ran) is used only when the rank failed without sending the entry itself: gloo
+# aborts a rank on a size mismatch before its reader sees the entry.
+# How long a failed rank's predicted entries wait for their peers' (once per failure).
+PEERS_WAIT_S = 0.3
 
 
 @dataclass
@@ -50,8 +74,9 @@ class _Sender:
     unread: bytes = b""  # the start of a message not yet whole
     rank: int = -1
     task: int = -1
-    groups: dict[int, tuple[str, int, list[int]]] = field(default_factory=dict)
+    groups: dict[int, tuple[str, int, list[int]]] = field(default_factory=dict)  # by key name
     facts: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    announced: set[int] = field(default_factory=set)  # groups whose first call was read
 
 
 class CallReader:
@@ -148,12 +173,16 @@ def _parse(sender: _Sender, buffer: bytes, calls: list[dict[str, Any]]) -> bytes
     """Append the calls of ``buffer``'s whole messages to ``calls``; return the rest."""
     start, end = 0, len(buffer)
     while start < end:
-        if buffer[start] == CALL_TAG:
-            if end - start < CALL.size:
+        tag = buffer[start]
+        if tag in (CALL_TAG, PREDICTED_TAG):
+            layout = CALL if tag == CALL_TAG else PREDICTED_CALL
+            if end - start < layout.size:
                 break
-            _, group, n, facts = CALL.unpack_from(buffer, start)
-            start += CALL.size
+            _, group, n, facts, *predicted = layout.unpack_from(buffer, start)
+            start += layout.size
             name, size, members = sender.groups[group]
+            first = group not in sender.announced  # its ranks go with its first call
+            sender.announced.add(group)
             calls.append(
                 {
                     "rank": sender.rank,
@@ -162,11 +191,13 @@ def _parse(sender: _Sender, buffer: bytes, calls: list[dict[str, Any]]) -> bytes
                     "size": size,
                     "n": n,
                     "record": sender.facts[facts],
-                    "members": members if n == 1 else None,
+                    "members": members if first else None,
                 }
             )
+            if predicted:  # the recorder's number this call should get
+                calls[-1]["predicted"] = predicted[0]
             continue
-        if buffer[start] != DEFINITION_TAG:
+        if tag != DEFINITION_TAG:
             raise ValueError(f"not a message: {buffer[start : start + 8]!r}")
         if end - start < DEFINITION.size:
             break
@@ -178,7 +209,10 @@ def _parse(sender: _Sender, buffer: bytes, calls: list[dict[str, Any]]) -> bytes
         if item[0] == "rank":
             _, sender.rank, sender.task = item
         elif item[0] == "group":
-            _, index, name, size, members = item
+            _, index, name, size, members, *stream = item
+            if stream and stream[0] == RECORDER:  # the flight recorder's numbers
+                name += RECORDED_SUFFIX
+
             sender.groups[index] = (name, size, members)
         elif item[0] == "facts":
             sender.facts[item[1]] = item[2]
@@ -227,10 +261,26 @@ def compare(records: dict[int, Any], complete: bool) -> str | None:
             return None
         ordered = [record_of(facts, rank) for rank, facts in zip(ranks, ordered, strict=True)]
     if len({record["op"] for record in ordered}) > 1:
+        if _same_call(ordered):
+            return None
         return mismatch_message(ordered)
     if not complete and ordered[0].get("rule") in _WHOLE_GROUP_RULES:
         return None
     return mismatch_message(ordered)
+
+
+def _same_call(records: list[dict[str, Any]]) -> bool:
+    """True when records of different names are one collective with the same inputs: torch
+    issued it on one rank (the flight recorder's entry) and a call checked in Python on
+    another (``dist.all_reduce`` in a library's code path on one rank only)."""
+    ops = {record["op"] for record in records}
+    issued_by_torch = {op for op in ops if op == DDP_ALL_REDUCE or is_recorded(op)}
+    if not issued_by_torch or (DDP_ALL_REDUCE in ops and issued_by_torch != ops):
+        return False  # DDP's all-reduce against a call in Python: never the same step
+    if len({base_operation(op) for op in ops}) > 1:
+        return False
+    keys = {(record["key"]["shape"], record["key"]["dtype"]) for record in records}
+    return len(keys) == 1 or any(record["rule"] == "none" for record in records)
 
 
 @dataclass
@@ -249,6 +299,7 @@ def owed_calls(
     task: int,
     idle: set[int],
     skip: set[tuple[int, str, int]],
+    highest: dict[tuple[int, str, int], int] | None = None,
 ) -> Owed:
     """Which collectives of ``task`` ranks in ``idle`` owe, and the calls that release them.
 
@@ -261,20 +312,27 @@ def owed_calls(
     from nblaunch.ranks.release import unsupported
 
     owed = Owed()
+    highest = highest or {}
     for key, records in open_calls.items():
         call_task, group, n = key
         if call_task != task or key in skip:
             continue
+        first = min(records)
+        record = records[first]
+        if type(record) is tuple:  # a call's facts, as ranks send them
+            record = record_of(record, first)
+        recorded = group.endswith(RECORDED_SUFFIX)
+        if recorded and not (record["op"] == DDP_ALL_REDUCE or is_recorded(record["op"])):
+            continue  # a call checked in Python: its own numbers say what is owed
         ranks = members.get(group)
         if ranks is None:
             return Owed(problem=f"the ranks of process group {group} are not known")
         missing = [rank for rank in ranks if rank not in records]
         if not missing or any(rank not in idle for rank in missing):
             continue
-        first = min(records)
-        record = records[first]
-        if type(record) is tuple:  # a call's facts, as ranks send them
-            record = record_of(record, first)
+        if recorded and any(highest.get((call_task, group, r), 0) > n for r in missing):
+            continue  # sent later entries: this one was overwritten before it was read
+        group = group.removesuffix(RECORDED_SUFFIX)
         problem = unsupported(record)
         if problem:
             waiting = ", ".join(map(str, sorted(records)))
@@ -302,6 +360,10 @@ class CollectiveChecks:
         self.open: dict[tuple[int, str, int], dict[int, Any]] = {}
         self.members: dict[str, list[int]] = {}  # group name -> its ranks, once a call said
         self.compared = 0  # collectives every rank of the group reported, found consistent
+        # (task, recorder group, rank) -> the highest entry the rank sent
+        self.highest: dict[tuple[int, str, int], int] = {}
+        # (task, group, rank) -> the rank's last call there that said its recorder number
+        self.predicted: dict[tuple[int, str, int], dict[str, Any]] = {}
         self.found: RootCause | None = None
         self.reported = False
         self.forwards: bool | None = None  # see _forwards
@@ -325,15 +387,21 @@ class CollectiveChecks:
         while peers did (:func:`owed_calls`); ``skip``: collectives released already."""
         if self.found is not None:
             return Owed(problem="the ranks called mismatched collectives")
-        return owed_calls(self.open, self.members, task, idle, skip)
+        return owed_calls(self.open, self.members, task, idle, skip, self.highest)
 
     def _take(self, call: dict[str, Any]) -> None:
+        predicted = call.get("predicted")
+        if predicted is not None:  # only the last one per group and rank can be needed
+            self.predicted[(call["task"], call["group"], call["rank"])] = call
         if call.get("members"):
             self.members[call["group"]] = call["members"]
         if self.found is not None:
             return
         rank = call["rank"]
         key = (call["task"], call["group"], call["n"])
+        if call["group"].endswith(RECORDED_SUFFIX):
+            mark = (call["task"], call["group"], rank)
+            self.highest[mark] = max(self.highest.get(mark, 0), call["n"])
         records = self.open.get(key)
         if records is None:
             if len(self.open) >= MAX_OPEN:
@@ -350,11 +418,47 @@ class CollectiveChecks:
             del self.open[key]
             self.compared += 1
 
+    def _await_peers(self, gone: set[int]) -> list[dict[str, Any]]:
+        """Read on for up to ``PEERS_WAIT_S`` while a predicted entry of a rank ``gone`` has
+        no peer's entry to meet: the peers' readers send theirs within a poll, and the run's
+        verdict on the failure comes right after this check."""
+        assert self.reader is not None
+        taken: list[dict[str, Any]] = []
+        deadline = time.monotonic() + PEERS_WAIT_S
+        while time.monotonic() < deadline:
+            if not any(
+                not self.open.get((task, group + RECORDED_SUFFIX, call["predicted"]))
+                for (task, group, rank), call in self.predicted.items()
+                if rank in gone
+            ):
+                break
+            time.sleep(0.01)
+            for call in self.reader.read():
+                self._take(call)
+                taken.append(call)
+        return taken
+
+    def _take_predicted(self, gone: set[int]) -> None:
+        """The last predicted entry of each group of ranks ``gone`` (failed or aborted: their
+        reader will send nothing more), where the rank did not send the entry itself."""
+        for key, call in list(self.predicted.items()):
+            task, group, rank = key
+            if rank not in gone:
+                continue
+            del self.predicted[key]
+            recorded = group + RECORDED_SUFFIX
+            if self.highest.get((task, recorded, rank), 0) < call["predicted"]:
+                self._take({**call, "group": recorded, "n": call["predicted"], "predicted": None})
+
     def check(self, run: RunContext) -> RootCause | None:
         if self.reader is not None and not self.reported:
             calls = self.reader.read()
             for call in calls:
                 self._take(call)
+            if self.predicted and run.outcome.failures:
+                gone = {failure.rank for failure in run.outcome.failures}
+                calls += self._await_peers(gone)
+                self._take_predicted(gone)
             if calls and self._forwards(run):
                 run.publish({"kind": "collectives", "calls": calls})  # type: ignore[typeddict-item]
         if self.found is None or self.reported:
@@ -372,7 +476,10 @@ class CollectiveChecks:
 
     def _root(self, call: dict[str, Any], records: dict[int, Any], message: str) -> RootCause:
         ranks = sorted(records)
-        group = "the default group" if call["group"] == "0" else f"process group {call['group']}"
+        name = call["group"].removesuffix(RECORDED_SUFFIX)
+        group = "the default group" if name == "0" else f"process group {name}"
+        if name != call["group"]:
+            group += " (torch's numbers, from its flight recorder)"
         message = cell_names(message) + (
             f"\n\nFound by nblaunch's checks (on by default), comparing the calls of ranks "
             f"{', '.join(map(str, ranks))} at collective #{call['n']} of {group}. The mismatched "

@@ -225,6 +225,33 @@ def gpu_mix_warning(gpus: list[Accelerator]) -> str | None:
     )
 
 
+# NCCL's shared-memory transport between the GPUs of one machine needs room in /dev/shm (a few
+# MB per pair of ranks and channel); containers get 64 MB unless told otherwise.
+SHM_MIN_BYTES = 512 << 20
+
+
+def shm_warning(size: int | None = None, path: str = "/dev/shm") -> str | None:
+    """A warning when ``path`` (its ``size`` in bytes, for tests) is smaller than
+    ``SHM_MIN_BYTES`` and NCCL's shared memory is not turned off, else None."""
+    if os.environ.get("NCCL_SHM_DISABLE") == "1":
+        return None
+    if size is None:
+        try:
+            stat = os.statvfs(path)
+        except OSError:
+            return None  # no /dev/shm (not Linux): NCCL does not use it there
+        size = stat.f_blocks * stat.f_frsize
+    if size >= SHM_MIN_BYTES:
+        return None
+    return (
+        f"{path} holds only {size / (1 << 20):.0f} MB (containers get 64 MB by default); NCCL "
+        "between GPUs of this machine needs more and fails there ('unhandled system error', "
+        "'Bus error') or falls back to slower paths. Start the container with a larger one "
+        "(docker run --shm-size=1g, or in Kubernetes an emptyDir with medium: Memory on "
+        "/dev/shm), or set NCCL_SHM_DISABLE=1 (NCCL then goes through the network stack)"
+    )
+
+
 def launch_warnings(
     device_type: str | None = None,
     num_processes: int | None = None,
@@ -232,6 +259,7 @@ def launch_warnings(
     gpus: list[Accelerator] | None = None,
     system: str | None = None,
     release: str | None = None,
+    shm_size: int | None = None,
 ) -> list[str]:
     """Warnings for a launch's header: an old Linux kernel, GPUs of different kinds.
 
@@ -243,7 +271,7 @@ def launch_warnings(
         The launch's device type; GPUs are compared only for ``"cuda"``.
     num_processes
         Ranks use the first ``num_processes`` GPUs; only those are compared.
-    gpus, system, release
+    gpus, system, release, shm_size
         Stand-ins for this machine's, for tests.
     """
     warnings: list[str] = []
@@ -251,6 +279,11 @@ def launch_warnings(
         warning = kernel_warning(system, release)
         if warning:
             warnings.append(warning)
+    if (device_type == "cuda" and (num_processes or 2) > 1) or shm_size is not None:
+        with contextlib.suppress(Exception):
+            warning = shm_warning(shm_size)
+            if warning:
+                warnings.append(warning)
     if device_type == "cuda" or gpus is not None:
         with contextlib.suppress(Exception):
             used = accelerators() if gpus is None else gpus
@@ -321,7 +354,8 @@ def collect() -> dict[str, Any]:
         "mps": _mps_available(torch),
         "cuda_initialized": _cuda_initialized(),
         "start_methods": safe_start_methods(),
-        "warnings": launch_warnings(gpus=gpus) if gpus else launch_warnings(),
+        "warnings": (launch_warnings(gpus=gpus) if gpus else launch_warnings())
+        + ([w] if (w := shm_warning()) and gpus else []),
         "mpirun": mpirun_version(),
     }
 

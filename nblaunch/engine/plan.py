@@ -228,6 +228,9 @@ def plan_launch(
     port = choose_port(options.master_addr, options.master_port)
     run_dir, run_lease = new_run_dir(options.run_dir)
     debug = debug_from_env() if options.debug is None else bool(options.debug)
+    checks = not debug and options.debug is None and checks_from_env()
+    if checks:
+        warnings += _recorder_warnings()
     return LaunchPlan(
         world_size=num_processes,
         device_type=device_type,
@@ -238,7 +241,7 @@ def plan_launch(
         master_addr=options.master_addr,
         master_port=port,
         debug=debug,
-        checks=not debug and options.debug is None and checks_from_env(),
+        checks=checks,
         init_process_group=bool(options.setup_process_group),
         timeout=options.timeout,
         hang_timeout=options.hang_timeout,
@@ -254,6 +257,20 @@ def plan_launch(
         max_restarts=options.max_restarts,
         monitor_interval=options.monitor_interval,
     )
+
+
+def _recorder_warnings() -> list[str]:
+    """What the checks cannot see when the user turned torch's flight recorder off."""
+    from nblaunch.ranks.recorder import recorder_size
+
+    if recorder_size() != 0:
+        return []
+    return [
+        "TORCH_FR_BUFFER_SIZE=0 turns torch's flight recorder off: the checks see only "
+        "collectives called from Python (dist.all_reduce, ...), not those torch issues itself "
+        "(DDP's gradient all-reduce, FSDP's all-gathers); unset it (nblaunch keeps "
+        f"{process_groups.FLIGHT_RECORDER_ENTRIES} entries) or use debug=True"
+    ]
 
 
 def _check_cpu_ranks(num_processes: int, warnings: list[str]) -> None:

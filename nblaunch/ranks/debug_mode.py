@@ -26,6 +26,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,6 +110,11 @@ class _VerifiedRegion:
 
     def __exit__(self, *exc: object) -> None:
         _guard.active = self.previous
+        if not self.previous:
+            claim = getattr(_guard, "claim", None)
+            if claim is not None:  # the checked call is over: what it issued is recorded
+                claim.end = time.time_ns()
+                _guard.claim = None
 
 
 def in_verified_region() -> bool:
@@ -122,13 +128,17 @@ def call_site() -> str:
     Frames of nblaunch, torch and the standard library are skipped, so a collective that a library
     calls is reported at the library's line.
     """
+    return site_of(sys._getframe(1))
+
+
+def site_of(frame: Any) -> str:
+    """The first frame of user code from ``frame`` outwards, as :func:`call_site` names it."""
     global _skipped_dirs
     if _skipped_dirs is None:
         import torch
 
         torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
         _skipped_dirs = (_PACKAGE_DIR, torch_dir, _STDLIB_DIR)
-    frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if not code.co_filename.startswith(_skipped_dirs):
@@ -198,7 +208,9 @@ def verify(
     if outbox is not None:  # the out-of-band checks (never with debug mode): send, go on
         route = outbox.route(group)
         if route is not None:
-            outbox.add(route, _facts(operation, inputs, rule, dim, args, problem, outputs))
+            claim = outbox.add(route, _facts(operation, inputs, rule, dim, args, problem, outputs))
+            if claim is not None and not in_verified_region():
+                _guard.claim = claim  # closed when the call's verified region ends
         return
     import torch.distributed as dist
 

@@ -3,10 +3,16 @@
 nblaunch's own collectives (:mod:`nblaunch.ranks.ops`) verify themselves. So that collectives
 called by user code and libraries are verified too, torch.distributed's own collectives
 (``dist.all_reduce``, ``dist.broadcast``, ...) are patched for the duration of each task while
-debug mode or the out-of-band checks (the default) are on, and every DDP model made in the task
-gets a comm hook that verifies its gradient all-reduce; the patches are removed when the task
+debug mode or the out-of-band checks (the default) are on; the patches are removed when the task
 ends (a task hook does both). :func:`nblaunch.ranks.debug_mode.verify` decides how: before the
 call (debug mode) or by sending its record to the launcher (the checks).
+
+DDP's gradient all-reduce runs in C++. Debug mode gives every DDP model made in the task a comm
+hook that verifies each bucket before it is reduced. The out-of-band checks install no hook
+(it cost a DDP step 5-20%: a Python call per bucket, and the scaling DDP fuses into its copy):
+they read DDP's all-reduces from torch's flight recorder (:mod:`nblaunch.ranks.recorder`), and
+only note which process groups have a DDP model (:func:`ddp_groups`), so that an all-reduce
+torch issued on one is named as DDP's.
 """
 
 from __future__ import annotations
@@ -234,13 +240,13 @@ def _backend(group: Any) -> str:
 
 
 @contextlib.contextmanager
-def verified_collectives() -> Iterator[None]:
+def verified_collectives(ddp_hook: bool | None = None) -> Iterator[None]:
     """Verify torch.distributed's own collectives inside this block (debug mode does this).
 
     Replaces ``torch.distributed.all_reduce``, ``broadcast``, ... (see ``PATCHED``) by wrappers
-    that verify each call first, gives every DDP model made inside the block a comm hook that
-    verifies its gradient all-reduce (:class:`_VerifiedGradientHook`), and restores the
-    originals on exit.
+    that verify each call first, gives every DDP model made inside the block in debug mode a
+    comm hook that verifies its gradient all-reduce (:class:`_VerifiedGradientHook`; with the
+    out-of-band checks, DDP is only noted, see the module), and restores the originals on exit.
     """
     global _verifying
     import torch.distributed as dist
@@ -252,7 +258,7 @@ def verified_collectives() -> Iterator[None]:
             continue
         saved[name] = original
         setattr(dist, name, _wrap(name, original))
-    restore_ddp = _verify_ddp_models()
+    restore_ddp = _verify_ddp_models(hook=_debugging() if ddp_hook is None else ddp_hook)
     previous, _verifying = _verifying, True
     try:
         yield
@@ -289,14 +295,8 @@ class _VerifiedGradientHook:
         self.model = weakref.ref(model) if model is not None else lambda: None
 
     def first_step(self) -> bool:
-        """True in a backward that DDP follows with a rebuild of its buckets (its first): the
-        next forward then broadcasts them, a collective no record shows."""
-        model = self.model()
-        if model is None or getattr(model, "_has_rebuilt_buckets", True):
-            return False
-        return bool(getattr(model, "static_graph", False)) or not getattr(
-            model, "find_unused_parameters", False
-        )
+        """True in a backward that DDP follows with a rebuild of its buckets (its first)."""
+        return first_step(self.model())
 
     def __call__(self, bucket: Any) -> Any:
         tensor = bucket.buffer()
@@ -340,8 +340,49 @@ def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     return state(bucket)
 
 
-def _verify_ddp_models() -> Callable[[], None]:
-    """Patch ``DistributedDataParallel`` so new models get the verifying hook; return the undo."""
+def first_step(model: Any) -> bool:
+    """True while DDP ``model`` has not taken its first backward: DDP rebuilds its buckets
+    after it, and the next forward broadcasts them, a collective no record shows."""
+    if model is None or getattr(model, "_has_rebuilt_buckets", True):
+        return False
+    return bool(getattr(model, "static_graph", False)) or not getattr(
+        model, "find_unused_parameters", False
+    )
+
+
+# The DDP models made in tasks with checks on (debug mode's or the out-of-band ones).
+_ddp_models: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def ddp_models(group: str | None = None) -> list[Any]:
+    """The live DDP models made in tasks with checks on; those on process group ``group``."""
+    models = []
+    for model in list(_ddp_models):
+        name = getattr(getattr(model, "process_group", None), "group_name", None)
+        if group is None or name == group:
+            models.append(model)
+    return models
+
+
+# The process groups that DDP models made in this process all-reduce on, kept after the models
+# are gone: the flight recorder's reader names their all-reduces after a model may have been
+# deleted, and every rank must name them alike.
+_ddp_groups: set[str] = set()
+
+
+def ddp_groups() -> set[str]:
+    """The names of the process groups that DDP models made in this process all-reduce on."""
+    return _ddp_groups
+
+
+def _debugging() -> bool:
+    context = this_rank.current()
+    return context is not None and bool(context.debug)
+
+
+def _verify_ddp_models(hook: bool = True) -> Callable[[], None]:
+    """Patch ``DistributedDataParallel`` so new models are noted and, with ``hook``, get the
+    verifying hook; return the undo."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if hasattr(DDP.__init__, "__nblaunch_original__"):
@@ -353,8 +394,20 @@ def _verify_ddp_models() -> Callable[[], None]:
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        self._nblaunch_hook = _VerifiedGradientHook(self.process_group, self)
-        original_register(self, self._nblaunch_hook, _ddp_comm_hook)
+        _ddp_models.add(self)
+        _ddp_groups.add(str(getattr(self.process_group, "group_name", "")))
+        if hook:
+            self._nblaunch_hook = _VerifiedGradientHook(self.process_group, self)
+            original_register(self, self._nblaunch_hook, _ddp_comm_hook)
+
+    if not hook:  # DDP's own all-reduce, and the user's hook as the user registered it
+        __init__.__nblaunch_original__ = original_init  # type: ignore[attr-defined]
+        DDP.__init__ = __init__
+
+        def restore_init() -> None:
+            DDP.__init__ = original_init
+
+        return restore_init
 
     @functools.wraps(original_register)
     def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
@@ -391,7 +444,7 @@ def _verify_ddp_models() -> Callable[[], None]:
 
 def _task_hook(context: this_rank.RankContext) -> contextlib.AbstractContextManager[Any]:
     if context.debug or context.options.get("checks"):
-        return verified_collectives()
+        return verified_collectives(ddp_hook=bool(context.debug))
     return contextlib.nullcontext()
 
 

@@ -20,6 +20,9 @@ from typing import Any
 
 # The operation named in the report when DDP's backward all-reduce is the call that disagrees.
 DDP_ALL_REDUCE = "DDP's backward all-reduce"
+# A collective torch issued itself (from C++: DDP's broadcasts, FSDP's all-gathers), as the
+# flight recorder names it (``all_reduce``, ``_allgather_base``), when nothing checked it in Python.
+RECORDED = "{} issued by torch"
 # Tensors listed per rank in a record (the rest are summarised; the digests cover them all).
 MAX_LISTED = 16
 # What a call's facts tuple holds, in order: shapes, dtypes and devices of every input tensor
@@ -200,6 +203,22 @@ def _short(operation: str) -> str:
 
 def _entered(operation: str) -> str:
     """``called all_reduce``; a collective a library issues itself is ``entered``."""
-    if operation == DDP_ALL_REDUCE:
+    if operation == DDP_ALL_REDUCE or is_recorded(operation):
         return f"entered {operation}"
     return f"called {_short(operation)}"
+
+
+def is_recorded(operation: str) -> bool:
+    """True for a collective torch issued itself, as the flight recorder's reader names it."""
+    return operation.endswith(RECORDED.format(""))
+
+
+def base_operation(operation: str) -> str:
+    """The collective under a name: ``all_reduce`` for ``torch.distributed.all_reduce``, for
+    ``nblaunch.ranks.ops.all_reduce`` and for ``all_reduce issued by torch``."""
+    if operation == DDP_ALL_REDUCE:
+        return "all_reduce"
+    if is_recorded(operation):
+        operation = operation[: -len(RECORDED.format(""))]
+    name = operation.rsplit(".", 1)[-1]
+    return {"allreduce": "all_reduce", "allgather": "all_gather"}.get(name, name)

@@ -25,6 +25,12 @@ Each call goes out before its collective starts, so a rank that hangs in it has 
 launcher where; batching calls would need a thread that wakes up to flush them, and would lose
 the last ones of a rank that gloo aborted.
 
+What torch issues itself (DDP's gradient all-reduce, FSDP's collectives) is read from its
+flight recorder by :mod:`nblaunch.ranks.recorder` and sent down the same pipe as a second
+stream, numbered by the recorder; each call checked here leaves a :class:`Claim` by which the
+reader knows the entries it issued, and says (17 bytes then) the number the recorder will give
+it, for a rank that gloo aborts before its reader sees the entry.
+
 The numbers are this module's own, per group and per task: they count the calls checked here,
 so collectives torch issues out of sight (DDP's bucket rebuild, its buffer broadcast) cannot
 shift them, and a task that failed half-way leaves nothing to the next one.
@@ -39,10 +45,12 @@ import pickle
 import socket
 import struct
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from nblaunch.ranks import this_rank
+from nblaunch.ranks import this_rank, waits
 
 # Bytes a rank may write ahead of the launcher's reading (~20000 calls) before it waits. Not
 # more: a user's pipes share 64 MiB (pipe-user-pages-soft), past which Linux gives a new pipe a
@@ -52,23 +60,72 @@ SEND_BUFFER_BYTES = 1 << 18
 # the group, the index of its facts) or a definition (tag, length, a pickled tuple: ``("rank",
 # rank, task)`` first, then ``("group", index, name, size, ranks)`` and ``("facts", index,
 # facts)`` before the first call that uses them).
-CALL_TAG, DEFINITION_TAG = 1, 2
+CALL_TAG, DEFINITION_TAG, PREDICTED_TAG = 1, 2, 3
 CALL = struct.Struct("<BIII")
+# A call with the number the flight recorder should give it (tag, group, number, facts, that
+# number): the launcher uses it only if the rank fails without sending the recorder's entry.
+PREDICTED_CALL = struct.Struct("<BIIII")
 DEFINITION = struct.Struct("<BI")
 # Distinct facts numbered per task; past this the numbers start again (the launcher's table
 # is overwritten definition by definition: shapes that change every step must not grow it).
 MAX_FACTS = 4096
+# The calls checked here, kept for the flight recorder's reader (nblaunch.ranks.recorder): it
+# tells which recorded collectives these calls issued by their thread and time.
+MAX_CLAIMS = 4096
+# The two streams of calls: the calls checked here, numbered by this module; the flight
+# recorder's entries, numbered by torch (``collective_seq_id``), read by ranks/recorder.py.
+CALLS, RECORDER = "calls", "recorder"
+# Per group name: what the recorder's number of a call is, as the reader last found it: (its
+# number - the group's sequence number before the call - 1, the point-to-point posts then).
+_offsets: dict[str, tuple[int, int]] = {}
 
 
 class Route:
     """A process group as the checks know it: its index on the wire, its name, its size, its
     ranks (global numbers) and how many calls this task made on it."""
 
-    __slots__ = ("calls", "index", "members", "name", "size")
+    __slots__ = (
+        "calls",
+        "gloo",
+        "group",
+        "index",
+        "members",
+        "name",
+        "predicted",
+        "recorded",
+        "size",
+        "stream",
+    )
 
-    def __init__(self, index: int, name: str, members: list[int]) -> None:
+    def __init__(
+        self, index: int, name: str, members: list[int], stream: str = CALLS, group: Any = None
+    ) -> None:
         self.index, self.name, self.size, self.members = index, name, len(members), members
         self.calls = 0
+        self.stream = stream
+        self.group = group  # the process group
+        self.recorded: Route | None = None  # the same group's route for the recorder's entries
+        self.gloo = False
+        if group is not None:
+            with contextlib.suppress(Exception):
+                self.gloo = "gloo" in str(_dist().get_backend(group)).lower()
+
+
+class Claim:
+    """A call checked here, as the flight recorder's reader matches it to its entries: the
+    recorder's entries made on the same thread, on the same group, between ``start`` and
+    ``end`` (nanoseconds, the recorder's clock; ``end`` 0 while the call runs) are its."""
+
+    __slots__ = ("end", "facts", "group", "matched", "posted", "seq", "start", "thread")
+
+    def __init__(self, route: Route, facts: int, seq: int, posted: int) -> None:
+        self.group, self.facts = route.name, facts
+        self.thread = threading.get_ident()
+        # The group's sequence number before the call, and its point-to-point posts: gloo's
+        # number counts those, its recorder's does not (the reader learns the difference).
+        self.seq, self.posted = seq, posted
+        self.matched = False  # the reader found the call's first entry
+        self.start, self.end = time.time_ns(), 0
 
 
 def definition(item: tuple[Any, ...]) -> bytes:
@@ -93,6 +150,8 @@ class Outbox:
         # process group -> its route, or None where this rank has nothing to check
         self.routes: dict[Any, Route | None] = {}
         self.facts: dict[tuple[Any, ...], int] = {}  # the facts sent so far, by their index
+        self.claims: deque[Claim] = deque(maxlen=MAX_CLAIMS)
+        self.predicting = False  # the recorder's reader runs (ranks/recorder.py sets it)
         self._lock = threading.Lock()
         self.pipe: int | None = None  # the pipe's writing end
         read_end = -1
@@ -132,35 +191,79 @@ class Outbox:
                     # The ranks go with the group's definition: without them the launcher
                     # cannot release a call some ranks never issued (ranks/release.py).
                     ranks = dist.get_process_group_ranks(pg)
-                    route = Route(len(self.routes), pg.group_name, ranks)
+                    route = Route(len(self.routes), pg.group_name, ranks, group=pg)
             except (RuntimeError, ValueError, AttributeError, TypeError):  # torch will say so
                 pass
             self.routes[pg] = route
             return route
 
-    def add(self, route: Route, facts: tuple[Any, ...]) -> None:
-        """Number one call on ``route``'s group and send it, with its facts; never waits."""
+    def add(self, route: Route, facts: tuple[Any, ...]) -> Claim | None:
+        """Number one call on ``route``'s group and send it, with its facts; never waits.
+        Returns the call's claim on what the flight recorder will show of it."""
         # One call at a time: threads issuing collectives (an autograd thread's DDP hook) must
         # not interleave their bytes, and the numbers must go out in order.
         with self._lock:
             route.calls += 1
-            if self.pipe is None:
-                return
+            seq, posted = _sequence(route.group), waits.posted_on(route.name)
+            predicted = -1
+            if seq >= 0 and self.predicting:
+                # The recorder's number this call should have, sent with it, before the
+                # collective runs: gloo may abort this rank at once on a mismatch, and its
+                # reader then never sends the entry.
+                offset = _offsets.get(route.name)
+                if offset is None or offset[1] != posted:  # gloo counts its sends, its recorder not
+                    offset = (-posted if route.gloo else 0, posted)
+                predicted = seq + 1 + offset[0]
+            index = self._send(route, route.calls, facts, predicted)
+            if index is None:
+                return None
+            claim = Claim(route, index, seq, posted)
+            self.claims.append(claim)
+            return claim
+
+    def add_recorded(self, route: Route, seq: int, facts: tuple[Any, ...] | int) -> None:
+        """Send the flight recorder's entry ``seq`` of ``route``'s group: its facts, or the
+        index of facts already sent (a call checked here that issued it)."""
+        with self._lock:
+            recorded = route.recorded
+            if recorded is None:
+                recorded = route.recorded = Route(
+                    1_000_000 + route.index, route.name, route.members, RECORDER
+                )
+            recorded.calls += 1
+            self._send(recorded, seq, facts)
+
+    def _send(
+        self, route: Route, n: int, facts: tuple[Any, ...] | int, predicted: int = -1
+    ) -> int | None:
+        """Write call ``n`` of ``route`` (and the definitions it needs); the facts' index."""
+        if self.pipe is None:
+            return None
+        message = b""
+        if route.calls == 1:
+            message = definition(
+                ("group", route.index, route.name, route.size, route.members, route.stream)
+            )
+        if isinstance(facts, int):
+            index: int | None = facts
+        else:
             index = self.facts.get(facts)
-            message = b""
-            if route.calls == 1:
-                message = definition(("group", route.index, route.name, route.size, route.members))
             if index is None:
                 if len(self.facts) >= MAX_FACTS:
                     self.facts.clear()
+                    self.claims.clear()  # their indices are about to mean other facts
                 index = self.facts[facts] = len(self.facts)
                 message += definition(("facts", index, facts))
-            message += CALL.pack(CALL_TAG, route.index, route.calls, index)
-            try:
-                while message:  # one write unless a signal cut it short
-                    message = message[os.write(self.pipe, message) :]
-            except OSError:  # the launcher is gone
-                self.close()
+        if predicted >= 0:
+            message += PREDICTED_CALL.pack(PREDICTED_TAG, route.index, n, index, predicted)
+        else:
+            message += CALL.pack(CALL_TAG, route.index, n, index)
+        try:
+            while message:  # one write unless a signal cut it short
+                message = message[os.write(self.pipe, message) :]
+        except OSError:  # the launcher is gone
+            self.close()
+        return index
 
     def close(self) -> None:
         if self.pipe is not None:
@@ -182,6 +285,20 @@ def _dist() -> Any:
     return _torch_distributed
 
 
+def learn_offset(claim: Claim, seq: int) -> None:
+    """The reader found ``claim``'s call first recorded as ``seq``: the next calls' numbers."""
+    if claim.seq >= 0:
+        _offsets[claim.group] = (seq - claim.seq - 1, claim.posted)
+
+
+def _sequence(group: Any) -> int:
+    """The process group's sequence number (its last collective's), or -1 where torch has none."""
+    try:
+        return int(group._get_sequence_number_for_group())
+    except Exception:
+        return -1
+
+
 def current() -> Outbox | None:
     """This task's outbox while the out-of-band checks are on in it, else None."""
     return _outbox
@@ -197,7 +314,7 @@ def collective_outbox(context: this_rank.RankContext) -> Iterator[Outbox | None]
         return
     outbox = _outbox = Outbox(context.rank, context.task_id, address)
     try:
-        yield outbox
+        yield outbox  # inside: the recorder's reader (nblaunch.ranks.recorder), a task hook
     finally:
         _outbox = None
         outbox.close()

@@ -253,11 +253,14 @@ class HeartbeatThread:
                 frame = frame.f_back
             del frame
             operation = entry.operation if entry else called or "collective"
+            label = process_groups.collective_label(operation, functions, files, checked)
+            if entry and entry.progress:  # NCCL's own word on it
+                label += f" ({entry.progress})"
             self._described = {
                 "group": group,
                 "group_desc": entry.group_desc if entry else "",
                 "seq": seq,
-                "label": process_groups.collective_label(operation, functions, files, checked),
+                "label": label,
                 "shapes": entry.shapes if entry else [],
             }
         return self._described

@@ -95,6 +95,9 @@ class InFlight:
     seq: int  # its number on that group
     operation: str  # "all_reduce", "broadcast", ...
     shapes: list[list[int]]  # input tensor shapes
+    # NCCL's progress on it, from the recorder's pg_status: "enqueued, not started on the GPU"
+    # or "started on the GPU, not completed"; "" where the backend does not say (gloo)
+    progress: str = ""
 
 
 def in_flight(group: str, seq: int) -> InFlight | None:
@@ -109,11 +112,35 @@ def in_flight(group: str, seq: int) -> InFlight | None:
             name, desc = [*(entry.get("process_group") or ()), "", ""][:2]
             if str(name) != group or int(entry.get("collective_seq_id", -1)) != seq:
                 continue
-            operation = str(entry.get("profiling_name", "")).split(":")[-1] or "collective"
+            backend, _, operation = str(entry.get("profiling_name", "")).rpartition(":")
+            status = (dump.get("pg_status") or {}).get(str(name)) or {}
             return InFlight(
-                str(name), str(desc), seq, operation, list(entry.get("input_sizes") or [])
+                str(name),
+                str(desc),
+                seq,
+                operation or "collective",
+                list(entry.get("input_sizes") or []),
+                _progress(backend, seq, status),
             )
     return None
+
+
+def _progress(backend: str, seq: int, status: dict[str, Any]) -> str:
+    """Where NCCL is with collective ``seq`` of a group whose recorder status is ``status``
+    (``last_enqueued_collective``, ``last_started_collective``, ``last_completed_collective``).
+    gloo does not track starts (always -1): nothing to say there."""
+    if backend != "nccl":
+        return ""
+    started = int(status.get("last_started_collective", -1))
+    completed = int(status.get("last_completed_collective", -1))
+    if completed >= seq:
+        return ""
+    if started >= seq:
+        return "started on the GPU, waiting for its peers"
+    return (
+        f"enqueued, not started on the GPU: it waits behind earlier work (collective "
+        f"#{started} started, #{completed} completed)"
+    )
 
 
 def collective_label(

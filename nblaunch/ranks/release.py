@@ -99,10 +99,22 @@ def release(calls: list[dict[str, Any]], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     with verified_region():  # nothing here is checked or counted: it is not the person's call
         for call in calls:
-            problem = unsupported(call["record"])
+            problem = unsupported(call["record"]) or _first_ddp_step(call)
             if problem:
                 raise ValueError(problem)
             _issue(call["record"], _group(call["group"]), deadline)
+
+
+def _first_ddp_step(call: dict[str, Any]) -> str | None:
+    """Why DDP's all-reduce of ``call`` cannot be released here: this rank's model on its group
+    has not taken its first step (the flight recorder's entries do not say; this rank knows)."""
+    if call["record"].get("op") != DDP_ALL_REDUCE:
+        return None
+    from nblaunch.ranks.debug_patches import ddp_models, first_step
+
+    if any(first_step(model) for model in ddp_models(call["group"])):
+        return unsupported(dict(call["record"], args={"first step": True}))
+    return None
 
 
 def _group(name: str) -> Any:

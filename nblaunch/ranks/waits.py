@@ -36,6 +36,9 @@ _requests: dict[int, tuple[Any, PointToPoint]] = {}  # id(work) -> (work, what i
 _waiting: dict[int, PointToPoint] = {}  # thread ident -> the request it waits on
 _groups: dict[int, tuple[Any, str, list[int], bool]] = {}  # id(pg) -> (pg, name, ranks, tags)
 _total = 0  # operations posted in this task, all kinds
+# group name -> operations posted on it in this process, every task (never cleared): gloo counts
+# them in the group's sequence number, its flight recorder does not (ranks/recorder.py)
+_posted_by_group: dict[str, int] = {}
 # Work.wait while a request is outstanding (see _watch_waits); None outside a task.
 _work_class: Any = None
 _original_wait: Any = None
@@ -64,6 +67,7 @@ def _post(pg: Any, direction: str, group_peer: int, tag: int, work: Any) -> None
     key = (direction, name, peer, tag if tags else None)
     with _lock:
         count = _posted[key] = _posted.get(key, 0) + 1
+        _posted_by_group[name] = _posted_by_group.get(name, 0) + 1
         _total += 1
         if work is not None:
             if len(_requests) >= MAX_REQUESTS:
@@ -186,6 +190,11 @@ def label(wait: PointToPoint, called: str | None) -> str:
     if called is not None:
         return called
     return "isend().wait()" if wait["op"] == "send" else "irecv().wait()"
+
+
+def posted_on(group: str) -> int:
+    """Point-to-point operations posted on ``group`` by this process so far (every task)."""
+    return _posted_by_group.get(group, 0)
 
 
 def posted_total() -> int:

@@ -37,6 +37,7 @@ RANK_FEATURES = (
     "nblaunch.ranks.trigger",
     "nblaunch.ranks.fingerprints",
     "nblaunch.ranks.debug_patches",
+    "nblaunch.ranks.recorder",  # after fingerprints: its hook runs inside the outbox's
     "nblaunch.ranks.batch_size",
     "nblaunch.ranks.waits",
     "nblaunch.ranks.heartbeat",
@@ -110,12 +111,17 @@ def main(
     except (EOFError, OSError):
         pass  # the parent went away; nothing left to report to
     finally:
-        _tear_down()
+        if not stopped:
+            _tear_down()
         # Before multiprocessing's exit handler, which would wait for non-daemon children.
         containment.end_descendants()
         _flush_output()
     if stopped:
+        # The values are in the notebook already, which need not wait for the process group's
+        # teardown (NCCL's destroy_process_group takes ~0.5 s on a GPU): hang up, then tear
+        # down, within the exit timer's second.
         _hang_up(_channel)
+        _tear_down()
 
 
 def _hang_up(channel: Channel) -> None:

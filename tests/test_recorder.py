@@ -1,0 +1,200 @@
+"""The checks read torch's flight recorder: what torch issues from C++, without a comm hook.
+
+Real ranks (2 CPU, gloo) for what the recorder's reader sends and the launcher finds; NCCL's
+recorder, which this machine cannot run, through a stand-in that gives the same dump.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+
+from nblaunch import DistributedOperationException, notebook_launcher
+from nblaunch.engine.plan import plan_launch
+from nblaunch.options import LaunchOptions
+from nblaunch.ranks import heartbeat, process_groups
+from tests.conftest import rank_children, wait_until
+
+
+def launch(function, args=(), **kwargs):
+    kwargs.setdefault("display", "none")
+    kwargs.setdefault("timeout", 60)
+    return notebook_launcher(function, args, num_processes=2, device_type="cpu", **kwargs)
+
+
+def line_of(function, marker: str) -> int:
+    lines, start = inspect.getsourcelines(function)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def ddp_and_its_hook():
+    """DDP's own all-reduce under the default checks: no hook of nblaunch's; a user's hook is
+    the one DDP reports; what the recorder's reader sent."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from nblaunch.ranks import recorder
+
+    plain = DDP(torch.nn.Linear(4, 3))
+    hooked = DDP(torch.nn.Linear(4, 3))
+    hooked.register_comm_hook(None, default_hooks.allreduce_hook)
+    for _ in range(3):
+        plain(torch.randn(2, 4)).sum().backward()
+        hooked(torch.randn(2, 4)).sum().backward()
+    reader = recorder.current()
+    reader.read()
+    names = [m._get_ddp_logging_data().get("comm_hook", "") for m in (plain, hooked)]
+    return names, hasattr(plain, "_nblaunch_hook"), reader.sent, reader.lost
+
+
+def test_ddp_keeps_its_own_all_reduce_and_the_users_hook_and_is_still_checked():
+    for names, hooked, sent, lost in launch(ddp_and_its_hook):
+        assert names == ["", "allreduce_hook"]  # DDP's logging names the user's hook, or none
+        assert not hooked
+        assert sent >= 12 and lost == 0  # construction broadcasts, 6 steps' all-reduces
+
+
+def broadcast_from_cpp():
+    """A broadcast no Python wrapper sees (the process group's own method, as C++ code calls
+    it), with a longer tensor on rank 1: gloo fills its start and returns."""
+    import torch
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
+    t = torch.arange(5.0) if dist.get_rank() == 0 else torch.zeros(8)
+    group.broadcast([t]).wait()  # the mismatch
+    time.sleep(5)  # the launcher has the ranks' entries long before
+    return t.tolist()
+
+
+def test_a_mismatch_in_a_collective_torch_issued_itself_is_named_from_the_recorder():
+    started = time.monotonic()
+    with pytest.raises(DistributedOperationException) as info:
+        launch(broadcast_from_cpp)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert message.startswith(
+        "Cannot apply desired operation due to shape mismatches. All shapes across devices must "
+        "be valid.\n\nOperation: `broadcast issued by torch`\nInput shapes:\n"
+        "  - Process 0: [5]\n  - Process 1: [8]\n"
+    ), message
+    # Where the rank was when its entry was read: in the broadcast, or already past it.
+    lines = [line_of(broadcast_from_cpp, marker) for marker in ("group.broadcast", "time.sleep")]
+    assert any(f"Process 1: test_recorder.py:{line}" in message for line in lines), message
+    assert "(torch's numbers, from its flight recorder)" in message
+    assert elapsed < 10, elapsed
+    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+
+
+def test_with_the_recorder_off_the_header_says_what_is_not_checked(monkeypatch):
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    plan = plan_launch(print, 2, LaunchOptions(device_type="cpu"))
+    said = [w for w in plan.warnings if w.startswith("TORCH_FR_BUFFER_SIZE=0")]
+    assert len(said) == 1 and "DDP's gradient all-reduce" in said[0], plan.warnings
+    assert not any(
+        w.startswith("TORCH_FR_BUFFER_SIZE")
+        for w in plan_launch(print, 2, LaunchOptions(device_type="cpu", debug=True)).warnings
+    )
+    # The calls from Python are still checked.
+    with pytest.raises(DistributedOperationException, match="shape mismatches"):
+        launch(shape_mismatch)
+
+
+def shape_mismatch():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.zeros(2) if dist.get_rank() == 0 else torch.zeros(3)
+    dist.broadcast(t, 0)
+
+
+# --- NCCL's recorder, through a stand-in --------------------------------------------------------
+
+
+def nccl_dump(started: int, completed: int) -> dict:
+    """What ``_dump_nccl_trace`` gives (the fields read here) for a rank whose DDP all-reduce
+    #7 on the default group was enqueued and never completed."""
+    entry = {
+        "record_id": 6,
+        "process_group": ("0", "default_pg"),
+        "collective_seq_id": 7,
+        "profiling_name": "nccl:all_reduce",
+        "input_sizes": [[8392704]],
+        "input_dtypes": ["Float"],
+        "state": "started" if started >= 7 else "scheduled",
+        "is_p2p": False,
+    }
+    status = {
+        "last_enqueued_collective": 7,
+        "last_started_collective": started,
+        "last_completed_collective": completed,
+    }
+    return {"entries": [entry], "pg_status": {"0": status}}
+
+
+@pytest.mark.parametrize(
+    ("started", "said"),
+    [
+        (7, "started on the GPU, waiting for its peers"),
+        (6, "enqueued, not started on the GPU: it waits behind earlier work (collective #6 "),
+    ],
+)
+def test_a_hang_on_nccl_names_the_collective_and_how_far_nccl_got(monkeypatch, started, said):
+    monkeypatch.setattr(process_groups, "_dumps", lambda **_: [nccl_dump(started, 6)])
+    entry = process_groups.in_flight("0", 7)
+    assert (entry.operation, entry.shapes, entry.group_desc) == (
+        "all_reduce",
+        [[8392704]],
+        "default_pg",
+    )
+    assert entry.progress.startswith(said)
+    assert process_groups.group_status() == {"0": (7, 6)}
+    assert process_groups.pending(process_groups.group_status()) == ("0", 7)
+    beat = heartbeat.HeartbeatThread(0, send=lambda event: None)
+    described = beat._in_flight(("0", 7), None)
+    assert described["label"] == f"all_reduce ({entry.progress})"
+    assert described["shapes"] == [[8392704]]
+
+
+def test_gloo_says_nothing_of_its_progress(monkeypatch):
+    dump = nccl_dump(-1, 6)
+    dump["entries"][0]["profiling_name"] = "gloo:all_reduce"
+    monkeypatch.setattr(process_groups, "_dumps", lambda **_: [dump])
+    assert process_groups.in_flight("0", 7).progress == ""
+
+
+# --- scripts/gpu-bench ----------------------------------------------------------------------------
+
+
+def test_gpu_benchs_dry_run_prints_every_measure():
+    """``scripts/gpu-bench --cpu``: the GPU benchmark's dry run on 2 CPU ranks, under a minute."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu-bench"
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(script), "--cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert table[0] == "| measure (2 CPU rank(s), gloo) | value | detail |", done.stdout
+    names = [line.split(" | ")[0].removeprefix("| ") for line in table[1:]]
+    assert names == [
+        "launch: first, then warm (spare ranks)",
+        "default checks on a DDP step, checked vs unchecked blocks in one launch",
+        "flight recorder: one full read / one look at the counts",
+        "a real out-of-memory retried down to a batch that fits",
+    ], done.stdout
+    assert "failed" not in done.stdout
+    assert elapsed < 60, elapsed
