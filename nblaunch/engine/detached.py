@@ -389,20 +389,25 @@ class AttachedRun:
                     self.hub.handle_many(self._unseen(body))
                     self.hub.flush()
                 elif kind == wire.OUTCOME:
-                    self._outcome = self._readable(pickle.loads(body))
+                    try:
+                        self._outcome = self._readable(pickle.loads(body))
+                    except Exception as exc:  # e.g. an exception class this process lacks
+                        self._outcome = self._unreadable(exc)
                 elif kind == wire.CLOSED:
                     break
         except (OSError, pickle.UnpicklingError, EOFError):
             pass  # the host went away: what it left on disk says how the run ended
         finally:
-            self._sock.close()
-            if self._outcome is None:
-                self._outcome = self._outcome_on_disk()
-                if self._outcome.get("lost"):  # what the view showed live, then why it stops
-                    self.hub.handle_many(lost_run_events(self.entry, with_logs=False))
-            self.hub.close()
-            self._views_ended()
-            self._done.set()
+            try:
+                self._sock.close()
+                if self._outcome is None:
+                    self._outcome = self._outcome_on_disk()
+                    if self._outcome.get("lost"):  # what the view showed live, then why
+                        self.hub.handle_many(lost_run_events(self.entry, with_logs=False))
+                self.hub.close()
+                self._views_ended()
+            finally:
+                self._done.set()  # result() never waits for a reader that failed
 
     def _read_ended(self) -> None:
         try:
@@ -448,6 +453,17 @@ class AttachedRun:
         except (OSError, pickle.UnpicklingError, EOFError):
             error = RankFailedError(lost_why(self.entry), rank=0, world_size=self.entry.world_size)
             return {"error": error, "lost": True}
+        except Exception as exc:
+            return self._unreadable(exc)
+
+    def _unreadable(self, exc: Exception) -> dict[str, Any]:
+        """An outcome this process cannot unpickle, said in words (``result()`` raises it)."""
+        message = (
+            f"the run ended, but its outcome cannot be read in this process "
+            f"({type(exc).__name__}: {exc}): import what the ranks' values or exception need, "
+            f"then attach again; the rank logs are in {self.entry.run_dir}"
+        )
+        return {"error": RankFailedError(message, rank=0, world_size=self.entry.world_size)}
 
     @property
     def state(self) -> str:

@@ -18,7 +18,11 @@ import struct
 from typing import Any
 
 _LENGTH = struct.Struct("!Q")
+# The largest message read (a push or pull of a big value is one message).
+MAX_MESSAGE = 1 << 36
 EVENTS, OUTCOME, CLOSED, STOP, QUIET = "events", "outcome", "closed", "stop", "quiet"
+# A client that only watches (the runs panel): its taking the outcome is no notebook's having it.
+WATCH = "watch"
 
 
 def send(sock: socket.socket, kind: str, body: Any) -> None:
@@ -32,7 +36,10 @@ def receive(sock: socket.socket) -> tuple[str, Any] | None:
     header = _exactly(sock, _LENGTH.size)
     if header is None:
         return None
-    data = _exactly(sock, _LENGTH.unpack(header)[0])
+    size = _LENGTH.unpack(header)[0]
+    if size > MAX_MESSAGE:  # not this protocol's peer (or a corrupt stream): no 2**64 buffer
+        raise ValueError(f"a message of {size} bytes is past the {MAX_MESSAGE}-byte limit")
+    data = _exactly(sock, size)
     if data is None:
         return None
     kind, body = pickle.loads(data)

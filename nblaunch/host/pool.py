@@ -190,7 +190,8 @@ class PoolServer:
             elif kind == "gone":
                 if sock is self.client:
                     self.client = None
-                    self.on_holder(None)
+                    with contextlib.suppress(OSError):  # a read-only run directory
+                        self.on_holder(None)
             elif sock is self.client and self._answer(kind, body, sock):
                 return "closed"
             del kind, body, sock  # a task's payload is not kept while the pool idles

@@ -47,6 +47,7 @@ class ClientFeed:
         self._queued = 0  # events queued and not yet sent (roughly: two threads count it)
         self.outcome: bytes | None = None
         self.delivered = False  # the outcome reached the notebook's socket
+        self.watch_only = False  # the runs panel: what it takes counts for no notebook
         self.sender = threading.Thread(target=self._send, name="nblaunch-feed", daemon=True)
         self.reader = threading.Thread(target=self._read, name="nblaunch-commands", daemon=True)
 
@@ -93,7 +94,7 @@ class ClientFeed:
                 if item is _END:
                     if self.outcome is not None:
                         wire.send(self.sock, wire.OUTCOME, self.outcome)
-                        self.delivered = True
+                        self.delivered = not self.watch_only
                         wire.send(self.sock, wire.CLOSED, None)
                     return
                 for start in range(0, len(item), MAX_BATCH):
@@ -125,6 +126,8 @@ class ClientFeed:
                     self.on_stop()
                 elif message[0] == wire.QUIET:
                     self.quiet = True
+                elif message[0] == wire.WATCH:
+                    self.watch_only = True
         except (OSError, ValueError, EOFError):
             pass
         finally:

@@ -67,7 +67,8 @@ class _RunsHandler(APIHandler):
         tornado.web.HTTPError
             404: the list does not show ``run_id`` (none, or another user's).
         """
-        detail = self.index.detail(run_id)
+        # Off the server's event loop: a first look at a run connects to its host.
+        detail = await asyncio.to_thread(self.index.detail, run_id)
         if detail is None:
             raise tornado.web.HTTPError(404, f"no run {run_id} of yours is listed")
         await self.name_kernels([detail])
@@ -84,7 +85,7 @@ class _RunsHandler(APIHandler):
 class RunsHandler(_RunsHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
-        records = self.index.records()
+        records = await asyncio.to_thread(self.index.records)  # off the event loop
         await self.name_kernels(records)
         self.reply({"runs": records})
 

@@ -250,7 +250,7 @@ class DetachedPool(Pool):
             outcome = self._follow(view, guard)
         finally:
             guard.uninstall(previous)
-        self._take_info(outcome.pop("info"))
+        self._take_info(outcome.pop("info", self._info))
         self.tasks_run += 1
         if "error" in outcome:
             raise tracebacks.make_readable(outcome["error"])  # the rank's frames, as a local pool's

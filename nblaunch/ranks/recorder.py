@@ -138,8 +138,9 @@ class RecorderReader:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
-        with contextlib.suppress(Exception):
-            self.read()
+        if not self._thread.is_alive():  # never two readers sending at once
+            with contextlib.suppress(Exception):
+                self.read()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
