@@ -386,13 +386,14 @@ class DetachedPool(Pool):
 
 def who_am_i() -> str:
     """This kernel in words, as another kernel is told it: its id and pid (a script: its pid)."""
-    try:
-        from ipykernel.connect import get_connection_file
-
-        kernel_id = Path(get_connection_file()).stem.removeprefix("kernel-")
+    # Only a kernel has ipykernel's app running; importing ipykernel elsewhere would install its
+    # comms for every widget of the process (a script's, a test's).
+    app = sys.modules.get("ipykernel.kernelapp")
+    if app is not None and app.IPKernelApp.initialized():
+        connection_file = app.IPKernelApp.instance().connection_file
+        kernel_id = Path(connection_file).stem.removeprefix("kernel-")
         return f"kernel {kernel_id[:8]} (pid {os.getpid()})"
-    except Exception:  # not in a kernel
-        return f"process {os.getpid()} ({Path(sys.argv[0]).name or 'python'})"
+    return f"process {os.getpid()} ({Path(sys.argv[0]).name or 'python'})"
 
 
 def attach_pool(run_id: str | None = None, take_over: bool = False) -> DetachedPool:
