@@ -196,6 +196,8 @@ class Supervisor:
         context = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        elif self.start_method == "fork":  # once, here: not in every rank after the fork
+            worker.import_features()
         conn, child_conn = context.Pipe(duplex=True)
         stdout_r, stdout_w = context.Pipe(duplex=False)
         stderr_r, stderr_w = context.Pipe(duplex=False)
