@@ -16,7 +16,7 @@ import psutil
 import pytest
 from conftest import Kernel, wait_until
 from test_detached import processes_of
-from test_disk import failing_disk  # noqa: F401  (a fixture)
+from test_disk import failing_disk, tmpfs  # noqa: F401  (failing_disk: a fixture)
 
 import nblaunch
 from nblaunch.engine import detached
@@ -39,19 +39,8 @@ def registry(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def full_disk(tmp_path):
     """A 1 MB tmpfs of our own (as the issue's), unmounted afterwards; needs root."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "nblaunch-test", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False, timeout=30)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

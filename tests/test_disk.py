@@ -8,8 +8,10 @@ word. These run on a small tmpfs (mounting needs root, as CI is; elsewhere they 
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +22,12 @@ from nblaunch.notebook.views import RecordingView
 from nblaunch.options import LaunchOptions
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 256 KiB tmpfs of our own, unmounted afterwards."""
-    mount = tmp_path / "disk"
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` of our own at ``mount`` (made), unmounted afterwards; needs root."""
     mount.mkdir()
     made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "nblaunch-test", str(mount)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "nblaunch-test", str(mount)],
         capture_output=True,
         text=True,
     )
@@ -36,6 +37,13 @@ def small_disk(tmp_path):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False, timeout=30)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs of our own, unmounted afterwards."""
+    with tmpfs(tmp_path / "disk", "256k") as mount:
+        yield mount
 
 
 @pytest.fixture
