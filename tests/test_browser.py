@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,11 +68,19 @@ def jupyterlab(tmp_path):
 
 def _serve(tmp_path: Path, name: str):
     """JupyterLab on 127.0.0.1 serving ``tmp_path/work``; yields the URL of notebook ``name``."""
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
+    env.pop("NBLAUNCH_RUN_DIR", None)  # the default, .nblaunch/runs next to the notebook
+    with running_lab(tmp_path, env) as (base, token):
+        yield f"{base}/lab/tree/{name}?token={token}"
+
+
+@contextlib.contextmanager
+def running_lab(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple[str, str]]:
+    """JupyterLab on 127.0.0.1 with ``env``, its root ``tmp_path/work``; yields (base URL, token)
+    once it answers, and stops it afterwards."""
     work = tmp_path / "work"
     _quiet_settings(tmp_path / "settings")
     port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
-    env.pop("NBLAUNCH_RUN_DIR", None)  # the default, .nblaunch/runs next to the notebook
     server = subprocess.Popen(
         [
             sys.executable,
@@ -104,7 +113,7 @@ def _serve(tmp_path: Path, name: str):
                         "JupyterLab did not start:\n" + (tmp_path / "jupyterlab.log").read_text()
                     ) from None
                 time.sleep(0.5)
-        yield f"{base}/lab/tree/{name}?token={token}"
+        yield base, token
     finally:
         server.terminate()
         try:

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 from conftest import ROOT
-from test_browser import CHROMIUM, CHROMIUM_FLAGS, _free_port, _quiet_settings, picture
+from test_browser import CHROMIUM, CHROMIUM_FLAGS, picture, running_lab
 from test_lab import start_detached
 
 pytestmark = [
@@ -46,49 +43,9 @@ def lab(tmp_path, monkeypatch):
     (share / "labextensions" / "nblaunch-lab").symlink_to(
         ROOT / "nblaunch" / "lab" / "labextension"
     )
-    _quiet_settings(tmp_path / "settings")
-    port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_PATH=str(share))
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyterlab",
-            "--no-browser",
-            "--allow-root",
-            "--ip=127.0.0.1",
-            f"--port={port}",
-            f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={work}",
-            f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
-            f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
-            "--LabApp.expose_app_in_browser=True",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "jupyterlab.log", "wb"),  # noqa: SIM115
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
-                    break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(
-                        "JupyterLab did not start:\n" + (tmp_path / "jupyterlab.log").read_text()
-                    ) from None
-                time.sleep(0.5)
+    with running_lab(tmp_path, env) as (base, token):
         yield f"{base}/lab?token={token}", work, (base, token)
-    finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(5)
 
 
 def _kernels(base: str, token: str) -> list:
