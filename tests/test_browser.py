@@ -153,7 +153,9 @@ def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab, tmp_path):
     from playwright.sync_api import expect
 
     with _running(jupyterlab, height=1600) as page:
-        view = page.locator(".nbl-root")
+        # The launch cell's view: the %%distributed cell below starts a view of its own.
+        launch_cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
+        view = launch_cell.locator(".nbl-root")
         expect(view).to_be_visible(timeout=120_000)
         ranks = view.locator(".nbl-ranks")
         expect(ranks).to_contain_text("rank 0 · DONE", timeout=120_000)
@@ -162,10 +164,10 @@ def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab, tmp_path):
         shown_log = view.locator(".nbl-log:visible")
         expect(shown_log).to_have_count(1)
         expect(shown_log).to_contain_text("[1] rank 1 step 7: all_reduce -> 15")
-        summary = page.locator(".jp-OutputArea-output", has_text="finished in")
+        summary = launch_cell.locator(".jp-OutputArea-output", has_text="finished in")
         expect(summary.last).to_contain_text("rank 1")
         page.wait_for_timeout(500)  # let the last repaint settle before the picture
-        outputs = page.locator(".jp-Cell", has=view).locator(".jp-Cell-outputWrapper")
+        outputs = launch_cell.locator(".jp-Cell-outputWrapper")
         outputs.scroll_into_view_if_needed()
         shot = picture("launch-view.png", tmp_path)
         outputs.screenshot(path=str(shot))
