@@ -16,7 +16,7 @@ from conftest import Kernel, wait_until
 from test_background import steps  # the same workload, run detached here
 
 import nblaunch
-from nblaunch.engine import detached
+from nblaunch.engine import detached, host_files
 from nblaunch.errors import RunStoppedError
 from nblaunch.notebook.views import RecordingView
 
@@ -56,7 +56,7 @@ def test_a_detached_run_is_private_returns_its_values_and_leaves_nothing(registr
     assert stat.S_IMODE(handle.run_dir.stat().st_mode) == 0o700
     assert handle.result(timeout=60) == [100, 101]
     assert wait_until(lambda: not processes_of(entry.pid), 10)
-    for name in (detached.RESULT_FILE, detached.HISTORY_FILE, detached.LAUNCH_FILE):
+    for name in (host_files.RESULT_FILE, host_files.HISTORY_FILE, host_files.LAUNCH_FILE):
         assert stat.S_IMODE((handle.run_dir / name).stat().st_mode) == 0o600
     assert detached.find(handle.id).state == "done"
     assert "step 9" in (handle.run_dir / "rank1.log").read_text()
@@ -274,6 +274,21 @@ def test_an_idle_detached_pool_ends_by_itself_and_leaves_nothing(registry):
         assert detached.find(entry.run_id).state == "stopped"
         with pytest.raises(nblaunch.LaunchError, match="no detached pool is going"):
             nblaunch.attach_pool()
+    finally:
+        pool.close()
+
+
+def test_a_detached_pool_s_ranks_may_take_their_start_timeout_beyond_the_host_s_start(
+    registry, monkeypatch
+):
+    """A pool's host answers once its ranks are up: the host's own start limit (60 s) plus the
+    pool's ``start_timeout``. Shrunk here to 0.2 s, a one-shot host cannot start in it."""
+    monkeypatch.setattr(detached, "HOST_START_LIMIT_S", 0.2)
+    with pytest.raises(nblaunch.LaunchError, match="the run host did not start"):
+        nblaunch.notebook_launcher(steps, (1, 0.0), 2, detach=True, display="none")
+    pool = nblaunch.start_pool(2, detach=True, display="none", start_timeout=60)
+    try:
+        assert pool.run(lambda: 7) == [7, 7]
     finally:
         pool.close()
 

@@ -19,7 +19,7 @@ from test_detached import processes_of
 from test_disk import failing_disk, tmpfs  # noqa: F401  (failing_disk: a fixture)
 
 import nblaunch
-from nblaunch.engine import detached
+from nblaunch.engine import attached, detached, host_files
 from nblaunch.notebook.views import RecordingView
 
 
@@ -97,11 +97,11 @@ def test_a_full_disk_loses_neither_the_values_nor_a_line_of_a_detached_run(regis
     # The one warning says what is lost: the rank logs on disk, nothing more.
     warnings = [e["title"] for e in seen.of("diagnosis")]
     assert len(warnings) == 1 and "rank logs are no longer written" in warnings[0], warnings
-    assert not (handle.run_dir / detached.RESULT_FILE).exists()  # the disk refused it
+    assert not (handle.run_dir / host_files.RESULT_FILE).exists()  # the disk refused it
     # The host keeps the outcome for another kernel's attach() ...
     entry = detached.find(handle.id)
     assert detached.host_alive(entry.pid) and entry.state == "done"
-    later = detached.AttachedRun(entry)
+    later = attached.AttachedRun(entry)
     assert later.wait(30) and later.values() == [100, 101]
     # ... until it is let go; the terminal says what that was.
     stopped = cli("stop", handle.id)
@@ -159,7 +159,7 @@ def test_a_held_outcome_is_written_once_the_disk_has_room_and_the_host_ends(
     (handle.run_dir / "rank0.log").unlink()  # room again: the host's next try writes the file
     assert wait_until(lambda: not processes_of(entry.pid), 30)
     assert nblaunch.attach(handle.id).state == "done"
-    assert detached.AttachedRun(entry).values() == [100, 101]  # from result.pkl now
+    assert attached.AttachedRun(entry).values() == [100, 101]  # from result.pkl now
 
 
 # --- 2. two kernels and one detached pool -------------------------------------------------------

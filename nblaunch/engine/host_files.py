@@ -1,6 +1,6 @@
 """The files a run host keeps in its run directory, by name (besides the rank logs).
 
-A leaf: the detached runs' client (:mod:`nblaunch.engine.detached`), the host
+A leaf: the detached runs' client (:mod:`nblaunch.engine.attached`), the host
 (:mod:`nblaunch.host`), the view of a lost run (:mod:`nblaunch.engine.lost_runs`) and the runs
 panel all name them.
 """

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
-from nblaunch.engine import detached
+from nblaunch.engine import detached, host_files
 from nblaunch.engine.background import RUNNING, state_of, stopped_error
 from nblaunch.engine.history import EventHub
 from nblaunch.engine.run import Run
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m nblaunch.host RUN_DIR LEASE_FD", file=sys.stderr)
         return 2
     run_dir, lease_fd = Path(argv[0]), int(argv[1])
-    launch = pickle.loads((run_dir / detached.LAUNCH_FILE).read_bytes())
+    launch = pickle.loads((run_dir / host_files.LAUNCH_FILE).read_bytes())
     os.environ["NBLAUNCH_DETACHED_DIR"] = launch["registry"]  # the notebook's registry
     sys.path[:] = launch["sys_path"]  # the ranks import what the notebook could
     lease = RunLease.adopt(run_dir, lease_fd)
@@ -117,18 +117,18 @@ def write_outcome(run_dir: Path, blob: bytes, hub: EventHub) -> bool:
     """Leave the outcome and the view's history in ``run_dir``; False when the disk refused the
     outcome (the history is best effort: a view of the ended run then shows the rank logs)."""
     try:
-        write_private(run_dir / detached.RESULT_FILE, blob)
+        write_private(run_dir / host_files.RESULT_FILE, blob)
     except OSError as exc:
-        say(f"run host {os.getpid()}: {detached.RESULT_FILE} could not be written ({exc})")
+        say(f"run host {os.getpid()}: {host_files.RESULT_FILE} could not be written ({exc})")
         with contextlib.suppress(OSError):
-            (run_dir / detached.RESULT_FILE).unlink()  # no half file: it would read as lost
+            (run_dir / host_files.RESULT_FILE).unlink()  # no half file: it would read as lost
         return False
     try:
-        write_private(run_dir / detached.HISTORY_FILE, pickle.dumps(hub.history.events()))
+        write_private(run_dir / host_files.HISTORY_FILE, pickle.dumps(hub.history.events()))
     except OSError as exc:
-        say(f"run host {os.getpid()}: {detached.HISTORY_FILE} could not be written ({exc})")
+        say(f"run host {os.getpid()}: {host_files.HISTORY_FILE} could not be written ({exc})")
         with contextlib.suppress(OSError):
-            (run_dir / detached.HISTORY_FILE).unlink()
+            (run_dir / host_files.HISTORY_FILE).unlink()
     return True
 
 

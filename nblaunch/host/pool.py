@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
-from nblaunch.engine import detached, pool_holder, wire
+from nblaunch.engine import detached, host_files, pool_holder, wire
 from nblaunch.engine.background import RUNNING, STOPPED
 from nblaunch.engine.pool_ranks import PoolRanks
 from nblaunch.engine.run_dirs import RunLease
@@ -76,7 +76,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     try:
         pool.start()
     except BaseException as exc:  # the notebook raises it (start_pool)
-        write_private(run_dir / detached.RESULT_FILE, pickled({"error": exc}, 1))
+        write_private(run_dir / host_files.RESULT_FILE, pickled({"error": exc}, 1))
         print(f"pool host {os.getpid()}: the pool did not start: {exc!r}", flush=True)
         return 0
     server = PoolServer(entry.socket, pool, spec["idle_limit_s"])

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine import detached, pool_holder, wire
+from nblaunch.engine import detached, host_files, pool_holder, wire
 from nblaunch.engine.background import RUNNING
 from nblaunch.engine.run_dirs import is_live
 from nblaunch.errors import LaunchError
@@ -189,7 +189,7 @@ class RunsIndex:
         return record
 
     def _new_dir_record(self, run_dir: Path, live: bool) -> dict[str, Any]:
-        history = run_dir / detached.HISTORY_FILE
+        history = run_dir / host_files.HISTORY_FILE
         summary = self.summary_of(None, run_dir) if history.exists() else None
         if live:
             state = RUNNING
@@ -223,7 +223,7 @@ class RunsIndex:
     def _ended_at(self, run_dir: Path) -> float | None:
         times = [
             path.stat().st_mtime
-            for path in (run_dir / detached.RESULT_FILE, *run_dir.glob("rank*.log"))
+            for path in (run_dir / host_files.RESULT_FILE, *run_dir.glob("rank*.log"))
             if path.exists()
         ]
         return max(times, default=None)
@@ -245,7 +245,7 @@ class RunsIndex:
             # The host writes the history before the registry says the run ended, and sends
             # the last events after: once it says so, the history is the whole picture.
             ended = watch.done.is_set() or not live
-            if ended and (run_dir / detached.HISTORY_FILE).exists():
+            if ended and (run_dir / host_files.HISTORY_FILE).exists():
                 assert entry is not None
                 del self._watches[entry.run_id]
                 watch.close()
@@ -253,7 +253,7 @@ class RunsIndex:
             return watch.summary  # live; or a host that died: what it sent is all there is
 
     def _from_disk(self, run_dir: Path) -> RunSummary:
-        history = run_dir / detached.HISTORY_FILE
+        history = run_dir / host_files.HISTORY_FILE
         source = history if history.exists() else run_dir
         try:
             stamp = max(

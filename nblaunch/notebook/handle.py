@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine import detached, spares
+from nblaunch.engine import attached, detached, spares
 from nblaunch.engine.background import LOST, RUNNING, BackgroundRun, RunControl
 from nblaunch.engine.history import EventHub
 from nblaunch.engine.plan import LaunchPlan
@@ -170,7 +170,7 @@ def launch_in_background(
     control: RunControl
     if detach:
         entry = detached.start_run_host(plan, payload, function)
-        control = detached.AttachedRun(entry)
+        control = attached.AttachedRun(entry)
         # The header now, while this cell runs: the view is built in it.
         control.header = plan.run_info(time.time())
     else:
@@ -258,7 +258,7 @@ def attach(run_id: str | None = None) -> RunHandle:
             if handle.state != LOST:
                 return handle  # one handle per run: runs() lists it once
             _kernel_runs.remove(handle)  # lost to this kernel (its host gone?): read it again
-    handle = RunHandle(detached.AttachedRun(entry), detached=True)
+    handle = RunHandle(attached.AttachedRun(entry), detached=True)
     handle.started_at = entry.started_at
     return remember(handle)
 

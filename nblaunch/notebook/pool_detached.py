@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
-from nblaunch.engine import detached, pool_ranks, wire
+from nblaunch.engine import detached, host_files, pool_ranks, wire
 from nblaunch.engine.pool_status import PoolState
 from nblaunch.engine.pool_task import TaskGuard
 from nblaunch.engine.run_dirs import new_run_dir
@@ -106,7 +106,7 @@ class DetachedPool(Pool):
         try:
             entry = detached.start_host(run_dir, lease, launch)
         except LaunchError:
-            failure = run_dir / detached.RESULT_FILE  # the ranks' own error, when they failed
+            failure = run_dir / host_files.RESULT_FILE  # the ranks' own error, when they failed
             if failure.exists():
                 raise pickle.loads(failure.read_bytes())["error"] from None
             raise
@@ -336,7 +336,7 @@ class DetachedPool(Pool):
         if self.entry is None:
             return "the pool's host went away"
         entry = detached.Entry.read(detached.registry_dir() / f"{self.entry.run_id}.json")
-        pid, where = self.entry.pid, self.entry.run_dir / detached.HOST_LOG
+        pid, where = self.entry.pid, self.entry.run_dir / host_files.HOST_LOG
         if detached.host_alive(pid):
             return (
                 f"the detached pool {self.entry.run_id}'s host (pid {pid}) closed this connection"
