@@ -229,6 +229,11 @@ def is_secondary_failure(exc_type: str, message: str) -> bool:
     return bool(_SECONDARY_PATTERNS.search(f"{exc_type}: {message}"))
 
 
+# Not an exit status (those are 0-255): the rank's forkserver died, so its end could not be
+# seen (see Supervisor.reap).
+FORKSERVER_LOST = 256
+
+
 def describe_exit(exitcode: int | None) -> tuple[str, int | None]:
     """Turn a multiprocessing exit code into words and a signal number.
 
@@ -236,6 +241,13 @@ def describe_exit(exitcode: int | None) -> tuple[str, int | None]:
     """
     if exitcode is None:
         return "was still running", None
+    if exitcode == FORKSERVER_LOST:
+        return (
+            "could no longer be watched: the forkserver that started it died during the run "
+            "(killed from outside, or by the out-of-memory killer), so nblaunch stopped the "
+            "ranks; the next launch starts a new forkserver",
+            None,
+        )
     if exitcode < 0:
         signum = -exitcode
         try:

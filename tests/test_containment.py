@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -98,6 +99,37 @@ def leave_a_thread_running() -> int:
 
     threading.Thread(target=time.sleep, args=(120,), name="left-running").start()  # no daemon
     return os.getpid()
+
+
+def note_pid_then_sleep(folder: str) -> None:
+    Path(folder, str(os.getpid())).touch()
+    time.sleep(60)
+
+
+def test_a_killed_forkserver_is_named_and_its_orphaned_ranks_end_with_the_run(tmp_path):
+    """The forkserver reports each rank it started as exited with 255 once it dies, while the
+    ranks run on: the run says so, ends them, and the next launch gets a new forkserver."""
+    from multiprocessing import forkserver
+
+    notebook_launcher(lambda: None, (), 2, display="none")  # the forkserver is up
+    server_pid = forkserver._forkserver._forkserver_pid
+    pids = tmp_path / "pids"
+    pids.mkdir()
+
+    def kill_the_forkserver_once_ranks_run() -> None:
+        if wait_until(lambda: len(list(pids.iterdir())) == 2, 30):
+            os.kill(server_pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_forkserver_once_ranks_run)
+    killer.start()
+    began = time.monotonic()
+    with pytest.raises(RankFailedError, match="the forkserver that started it died"):
+        notebook_launcher(note_pid_then_sleep, (str(pids),), 2, display="none")
+    killer.join()
+    assert time.monotonic() - began < 20  # not the 60 s the ranks would sleep
+    ranks = [int(path.name) for path in pids.iterdir()]
+    assert wait_until(lambda: not any(psutil.pid_exists(pid) for pid in ranks), 5), ranks
+    assert notebook_launcher(os.getpid, (), 2, display="none")[0] not in ranks
 
 
 def test_a_thread_left_running_does_not_keep_a_finished_rank_alive():

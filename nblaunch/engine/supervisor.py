@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nblaunch.errors import LaunchError
+import psutil
+
+from nblaunch.errors import FORKSERVER_LOST, LaunchError
 from nblaunch.options import env_off, refuse_unknown_start_method
 from nblaunch.ranks import containment, semaphores
 from nblaunch.ranks.worker import RANK_FEATURES
@@ -239,10 +241,28 @@ class Supervisor:
             if not rank.ended and not rank.process.is_alive():
                 rank.process.join()
                 rank.exitcode = rank.process.exitcode
+                if rank.exitcode == 255 and self.start_method == "forkserver":
+                    self._end_if_forkserver_lost(rank)
                 rank.ended = True
                 semaphores.release(self.semaphore_dir, rank.pid)  # a killed rank's locks
                 ended.append(rank)
         return ended
+
+    def _end_if_forkserver_lost(self, rank: RankProcess) -> None:
+        """A forkserver that died reports every rank it started as ended with code 255, while
+        the ranks run on, orphaned, out of sight (no exit status can reach this process any
+        more): end such a rank and its tree, and say why it ended."""
+        try:
+            process = psutil.Process(rank.pid)
+            # A forkserver's child runs its command line; a reused pid would not.
+            orphan = process.status() != psutil.STATUS_ZOMBIE and any(
+                "multiprocessing.forkserver" in part for part in process.cmdline()
+            )
+        except psutil.Error:
+            return  # it ended: 255 is then what the forkserver's end left us to know
+        if orphan:
+            containment.end([*containment.descendants(rank.pid), process], grace=0.5)
+            rank.exitcode = FORKSERVER_LOST
 
     def let_go(self, ranks: list[RankProcess]) -> None:
         """Stop watching ranks that were stopped, said their last and are exiting on their own.
