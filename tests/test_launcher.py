@@ -634,6 +634,23 @@ def test_a_script_without_main_guard_is_not_rerun_in_the_ranks(tmp_path, start_m
     assert "RESULT [0, 1]" in done.stdout
 
 
+def test_a_temp_dir_too_deep_for_the_forkserver_s_socket_names_tmpdir_and_the_fix(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 50)
+    deep.mkdir(parents=True)
+    script = "import nblaunch\nnblaunch.notebook_launcher(print, (), 2, display='none')"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TMPDIR": str(deep)},
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("nblaunch.errors.LaunchError: the temporary directory"), last
+    assert str(deep) in last and "set TMPDIR to a shorter directory" in last
+
+
 def test_no_rank_or_forkserver_survives_the_launcher_being_killed(tmp_path):
     script = tmp_path / "train_script.py"
     script.write_text(SCRIPT_WITHOUT_MAIN_GUARD)

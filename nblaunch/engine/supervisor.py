@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -221,6 +222,15 @@ class Supervisor:
         try:
             with main_module_hidden():
                 process.start()
+        except OSError as exc:
+            if "AF_UNIX path too long" not in str(exc):
+                raise
+            # multiprocessing's forkserver listens on a socket under the temp directory.
+            raise LaunchError(
+                f"the temporary directory {tempfile.gettempdir()} is too deep for the Unix "
+                "socket of multiprocessing's forkserver (at most 107 bytes in all): set TMPDIR "
+                "to a shorter directory (e.g. /tmp) before starting Python or the kernel"
+            ) from None
         finally:
             for end in (child_conn, stdout_w, stderr_w):
                 end.close()
