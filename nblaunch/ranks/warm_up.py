@@ -142,6 +142,14 @@ def check(setup: Mapping[str, Any]) -> None:
     )
 
 
+def forget() -> None:
+    """Treat this rank as not warmed (its warm-up could not start); the set-up replaces the
+    environment anyway."""
+    global _thread, _report
+    wait()
+    _thread, _report = None, None
+
+
 def report() -> dict[str, Any] | None:
     """What this rank's warm-up did (``device``, ``started_at``, ``seconds``, ``error``), or None
     when it was not a warmed spare."""

@@ -97,7 +97,10 @@ def main(
     _channel = Channel(conn)
     this_rank.connect(_channel)
     if warm is not None:
-        warm_up.start(warm)  # in a thread: the pipe is read meanwhile
+        try:
+            warm_up.start(warm)  # in a thread: the pipe is read meanwhile
+        except Exception:  # only lost time: the set-up makes the context as it would
+            warm_up.forget()
     stopped = False
     try:
         setup = _channel.recv()
