@@ -191,7 +191,8 @@ def test_gpu_benchs_dry_run_prints_every_measure():
     assert table[0] == "| measure (2 CPU rank(s), gloo) | value | detail |", done.stdout
     names = [line.split(" | ")[0].removeprefix("| ") for line in table[1:]]
     assert names == [
-        "launch: first, then warm (spare ranks)",
+        "launch: first, then warm (spare ranks, their device context made ahead)",
+        "launch: warm, spares let go (device environment changed since they warmed up)",
         "default checks on a DDP step, checked vs unchecked blocks in one launch",
         "flight recorder: one full read / one look at the counts",
         "a real out-of-memory retried down to a batch that fits",

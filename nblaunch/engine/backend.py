@@ -79,8 +79,24 @@ class ProcessBackend(Supervisor):
         wait_for_previous: bool = True,
     ) -> None:
         if rank_ids is None and setup is not None:
-            taken = spares.take(self.start_method, list(range(self.world_size)))
+            # Rank 0's set-up says which device and device environment the ranks are to have:
+            # spares that warmed up for others are let go. Made once: it is also rank 0's.
+            first = setup(0)
+            taken = spares.take(
+                self.start_method,
+                list(range(self.world_size)),
+                first["device_type"],
+                first["env"],
+            )
+            setup = _first_made(setup, first)
             if taken is not None:
                 self.adopt(taken.ranks, taken.tree_marker, setup, wait_for_previous)
                 return
         super().start(rank_ids, setup, wait_for_previous)
+
+
+def _first_made(
+    setup: Callable[[int], dict[str, Any]], first: dict[str, Any]
+) -> Callable[[int], dict[str, Any]]:
+    """``setup`` with rank 0's message, already made, given again rather than made twice."""
+    return lambda rank: first if rank == 0 else setup(rank)

@@ -178,8 +178,9 @@ class Supervisor:
         if self.semaphore_dir is None:
             self.semaphore_dir = semaphores.directory()
 
-    def fork_rank(self, rank: int) -> RankProcess:
-        """Start one process running :func:`nblaunch.ranks.worker.main`; it waits for its set-up.
+    def fork_rank(self, rank: int, warm: dict[str, Any] | None = None) -> RankProcess:
+        """Start one process running :func:`nblaunch.ranks.worker.main`; it waits for its set-up
+        (a spare given ``warm`` makes its device's context meanwhile: ``ranks.warm_up``).
 
         Only bytes and plain records cross these pipes, so the standard library's
         multiprocessing does, and the notebook need not import torch for it (a second, and an
@@ -215,6 +216,7 @@ class Supervisor:
                 os.getpid(),
                 self.semaphore_dir,
                 self.tree_marker,
+                warm,
             ),
             name=f"nblaunch-rank-{rank}",
             daemon=False,

@@ -176,7 +176,9 @@ def launch_in_background(
     else:
         run = Run(plan, EventHub())
         control = BackgroundRun(
-            run, payload, after=lambda: spares.fork_ahead(plan.world_size, plan.start_method)
+            run,
+            payload,
+            after=lambda: spares.fork_ahead(plan.world_size, plan.start_method, plan.device_type),
         )
     handle = RunHandle(control, detached=detach, views=views)
     if display != "none":

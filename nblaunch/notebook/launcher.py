@@ -295,7 +295,7 @@ def notebook_launcher(
         return Run(plan, view).execute(payload)
     finally:
         # The notebook will likely run this again: have its ranks' processes ready by then.
-        spares.fork_ahead(plan.world_size, plan.start_method)
+        spares.fork_ahead(plan.world_size, plan.start_method, plan.device_type)
 
 
 def _keyword_defaults() -> dict[str, Any]:

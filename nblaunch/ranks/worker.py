@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nblaunch.events import RELEASE, SETUP, STOP, Event
-from nblaunch.ranks import containment, devices, this_rank, xla
+from nblaunch.ranks import containment, devices, this_rank, warm_up, xla
 from nblaunch.ranks.failure import failure_event
 from nblaunch.ranks.this_rank import Channel, emit
 
@@ -53,6 +53,7 @@ def main(
     launcher_pid: int,
     semaphore_dir: str | None = None,
     tree_marker: str | None = None,
+    warm: dict[str, Any] | None = None,
 ) -> None:
     """Entry point of a rank process (the trampoline every start method calls).
 
@@ -72,6 +73,10 @@ def main(
         release those it leaves when it is killed (:mod:`nblaunch.ranks.semaphores`).
     tree_marker
         The run's value of ``containment.TREE_ENV``, inherited by whatever the rank starts.
+    warm
+        For a spare rank forked after a launch on an accelerator: the device it would get and
+        the notebook's device environment then; it makes its context there while it waits
+        (:mod:`nblaunch.ranks.warm_up`).
     """
     global _channel, _tree_marker
     _tree_marker = tree_marker
@@ -91,6 +96,11 @@ def main(
     semaphores.track(semaphore_dir)
     _channel = Channel(conn)
     this_rank.connect(_channel)
+    if warm is not None:
+        try:
+            warm_up.start(warm)  # in a thread: the pipe is read meanwhile
+        except Exception:  # only lost time: the set-up makes the context as it would
+            warm_up.forget()
     stopped = False
     try:
         setup = _channel.recv()
@@ -178,6 +188,14 @@ def _set_up(rank: int, setup: dict[str, Any]) -> bool:
 
     Returns False (after reporting a Failure) when the rank cannot take part.
     """
+    # A spare's device context first: nothing may change the environment while it is made.
+    warm_up.wait()
+    try:
+        warm_up.check(setup)
+    except RuntimeError as exc:
+        emit(failure_event(rank, exc))
+        emit({"kind": "finished", "rank": rank})
+        return False
     # The forkserver started earlier: bring this rank up to the caller's present state.
     os.environ.clear()
     os.environ.update(setup["env"])
