@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from nblaunch import DistributedOperationException, notebook_launcher
+from nblaunch import DistributedHangError, DistributedOperationException, notebook_launcher
 from nblaunch.engine.plan import plan_launch
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks import heartbeat, process_groups
@@ -109,6 +109,40 @@ def shape_mismatch():
 
     t = torch.zeros(2) if dist.get_rank() == 0 else torch.zeros(3)
     dist.broadcast(t, 0)
+
+
+def ddp_after_a_send_and_receive():
+    """A send/recv pair, then DDP steps until rank 1 leaves the loop: rank 0 waits in DDP's
+    gradient all-reduce. gloo counts the pair in the group's status, not in its recorder's
+    collective numbers."""
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    t = torch.ones(2)
+    if dist.get_rank() == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    for step in range(20):
+        model(torch.randn(8, 4)).sum().backward()  # rank 0 waits here
+        if dist.get_rank() == 1 and step == 3:
+            break
+
+
+def test_a_hang_after_a_send_and_receive_names_the_collective_from_the_recorder():
+    started = time.monotonic()
+    with pytest.raises(DistributedHangError) as info:
+        launch(ddp_after_a_send_and_receive)
+    elapsed = time.monotonic() - started
+    text = str(info.value)
+    # Collective #11: DDP's 2 broadcasts at construction, the pair, 4 steps' all-reduce and
+    # the bucket rebuild's broadcast, and the all-reduce rank 0 waits in (its entry is #10 in
+    # the recorder's own numbers, #11 in the group's status and the entry's op_id).
+    assert "rank 0 waits in DDP gradient all-reduce (collective #11, shapes [[20]])" in text, text
+    assert elapsed < 30, elapsed
+    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
 
 
 # --- NCCL's recorder, through a stand-in --------------------------------------------------------
