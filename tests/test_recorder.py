@@ -89,6 +89,39 @@ def test_a_mismatch_in_a_collective_torch_issued_itself_is_named_from_the_record
     assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
 
 
+def ddp_step_skipped_before_a_gather():
+    """Each step: DDP's backward, then nblaunch.gather of the loss; rank 1 skips step 3's
+    backward, so its gather meets rank 0's gradient all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    import nblaunch
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    for step in range(6):
+        loss = model(torch.randn(8, 4)).sum()
+        if not (dist.get_rank() == 1 and step == 3):
+            loss.backward()
+        nblaunch.gather(loss.detach())  # rank 1's gather at step 3
+        time.sleep(0.05)
+
+
+def test_ddps_all_reduce_after_an_nblaunch_call_is_named_as_ddps():
+    # nblaunch's own collectives once left their claim on the recorder's entries open: rank 0's
+    # all-reduce went out as the gather before it, and the two ranks' entries agreed.
+    started = time.monotonic()
+    with pytest.raises(DistributedOperationException) as info:
+        launch(ddp_step_skipped_before_a_gather)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    line = line_of(ddp_step_skipped_before_a_gather, "rank 1's gather at step 3")
+    assert "rank 0 entered DDP's backward all-reduce" in message, message
+    assert f"rank 1 called gather at test_recorder.py:{line}" in message
+    assert elapsed < 10, elapsed
+    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+
+
 def test_with_the_recorder_off_the_header_says_what_is_not_checked(monkeypatch):
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
     plan = plan_launch(print, 2, LaunchOptions(device_type="cpu"))
