@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from nblaunch import DistributedOperationException, notebook_launcher
+from nblaunch import DistributedHangError, DistributedOperationException, notebook_launcher
 from nblaunch.engine.plan import plan_launch
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks import heartbeat, process_groups
@@ -89,6 +89,39 @@ def test_a_mismatch_in_a_collective_torch_issued_itself_is_named_from_the_record
     assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
 
 
+def ddp_step_skipped_before_a_gather():
+    """Each step: DDP's backward, then nblaunch.gather of the loss; rank 1 skips step 3's
+    backward, so its gather meets rank 0's gradient all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    import nblaunch
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    for step in range(6):
+        loss = model(torch.randn(8, 4)).sum()
+        if not (dist.get_rank() == 1 and step == 3):
+            loss.backward()
+        nblaunch.gather(loss.detach())  # rank 1's gather at step 3
+        time.sleep(0.05)
+
+
+def test_ddps_all_reduce_after_an_nblaunch_call_is_named_as_ddps():
+    # nblaunch's own collectives once left their claim on the recorder's entries open: rank 0's
+    # all-reduce went out as the gather before it, and the two ranks' entries agreed.
+    started = time.monotonic()
+    with pytest.raises(DistributedOperationException) as info:
+        launch(ddp_step_skipped_before_a_gather)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    line = line_of(ddp_step_skipped_before_a_gather, "rank 1's gather at step 3")
+    assert "rank 0 entered DDP's backward all-reduce" in message, message
+    assert f"rank 1 called gather at test_recorder.py:{line}" in message
+    assert elapsed < 10, elapsed
+    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+
+
 def test_with_the_recorder_off_the_header_says_what_is_not_checked(monkeypatch):
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
     plan = plan_launch(print, 2, LaunchOptions(device_type="cpu"))
@@ -109,6 +142,40 @@ def shape_mismatch():
 
     t = torch.zeros(2) if dist.get_rank() == 0 else torch.zeros(3)
     dist.broadcast(t, 0)
+
+
+def ddp_after_a_send_and_receive():
+    """A send/recv pair, then DDP steps until rank 1 leaves the loop: rank 0 waits in DDP's
+    gradient all-reduce. gloo counts the pair in the group's status, not in its recorder's
+    collective numbers."""
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    t = torch.ones(2)
+    if dist.get_rank() == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    for step in range(20):
+        model(torch.randn(8, 4)).sum().backward()  # rank 0 waits here
+        if dist.get_rank() == 1 and step == 3:
+            break
+
+
+def test_a_hang_after_a_send_and_receive_names_the_collective_from_the_recorder():
+    started = time.monotonic()
+    with pytest.raises(DistributedHangError) as info:
+        launch(ddp_after_a_send_and_receive)
+    elapsed = time.monotonic() - started
+    text = str(info.value)
+    # Collective #11: DDP's 2 broadcasts at construction, the pair, 4 steps' all-reduce and
+    # the bucket rebuild's broadcast, and the all-reduce rank 0 waits in (its entry is #10 in
+    # the recorder's own numbers, #11 in the group's status and the entry's op_id).
+    assert "rank 0 waits in DDP gradient all-reduce (collective #11, shapes [[20]])" in text, text
+    assert elapsed < 30, elapsed
+    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
 
 
 # --- NCCL's recorder, through a stand-in --------------------------------------------------------

@@ -210,6 +210,9 @@ def verify(
         if route is not None:
             claim = outbox.add(route, _facts(operation, inputs, rule, dim, args, problem, outputs))
             if claim is not None and not in_verified_region():
+                previous = getattr(_guard, "claim", None)
+                if previous is not None and not previous.end:  # a call that never ran
+                    previous.end = claim.start  # (a thread's calls come one after another)
                 _guard.claim = claim  # closed when the call's verified region ends
         return
     import torch.distributed as dist

@@ -221,17 +221,20 @@ class Outbox:
             self.claims.append(claim)
             return claim
 
-    def add_recorded(self, route: Route, seq: int, facts: tuple[Any, ...] | int) -> None:
-        """Send the flight recorder's entry ``seq`` of ``route``'s group: its facts, or the
-        index of facts already sent (a call checked here that issued it)."""
-        with self._lock:
-            recorded = route.recorded
-            if recorded is None:
-                recorded = route.recorded = Route(
-                    1_000_000 + route.index, route.name, route.members, RECORDER
-                )
-            recorded.calls += 1
-            self._send(recorded, seq, facts)
+    def add_recorded(self, entries: list[tuple[Route, int, tuple[Any, ...] | int]]) -> None:
+        """Send flight recorder entries, each ``(route, its number on the group, its facts or
+        the index of facts already sent)`` (a call checked here that issued it), in one write."""
+        with self._lock:  # its definitions reach the pipe before any call that uses them
+            message = b""
+            for route, seq, facts in entries:
+                recorded = route.recorded
+                if recorded is None:
+                    recorded = route.recorded = Route(
+                        1_000_000 + route.index, route.name, route.members, RECORDER
+                    )
+                recorded.calls += 1
+                message += self._message(recorded, seq, facts)[0]
+            self._write(message)
 
     def _send(
         self, route: Route, n: int, facts: tuple[Any, ...] | int, predicted: int = -1
@@ -239,31 +242,42 @@ class Outbox:
         """Write call ``n`` of ``route`` (and the definitions it needs); the facts' index."""
         if self.pipe is None:
             return None
+        message, index = self._message(route, n, facts, predicted)
+        self._write(message)
+        return index
+
+    def _message(
+        self, route: Route, n: int, facts: tuple[Any, ...] | int, predicted: int = -1
+    ) -> tuple[bytes, int]:
+        """Call ``n`` of ``route`` as bytes, after the definitions it needs; the facts' index."""
         message = b""
         if route.calls == 1:
             message = definition(
                 ("group", route.index, route.name, route.size, route.members, route.stream)
             )
         if isinstance(facts, int):
-            index: int | None = facts
+            index = facts
         else:
-            index = self.facts.get(facts)
-            if index is None:
+            found = self.facts.get(facts)
+            if found is None:
                 if len(self.facts) >= MAX_FACTS:
                     self.facts.clear()
                     self.claims.clear()  # their indices are about to mean other facts
-                index = self.facts[facts] = len(self.facts)
-                message += definition(("facts", index, facts))
+                found = self.facts[facts] = len(self.facts)
+                message += definition(("facts", found, facts))
+            index = found
         if predicted >= 0:
             message += PREDICTED_CALL.pack(PREDICTED_TAG, route.index, n, index, predicted)
         else:
             message += CALL.pack(CALL_TAG, route.index, n, index)
+        return message, index
+
+    def _write(self, message: bytes) -> None:
         try:
-            while message:  # one write unless a signal cut it short
+            while message and self.pipe is not None:  # one write unless a signal cut it short
                 message = message[os.write(self.pipe, message) :]
         except OSError:  # the launcher is gone
             self.close()
-        return index
 
     def close(self) -> None:
         if self.pipe is not None:

@@ -41,8 +41,10 @@ def _tensors(data: Any) -> list[Any]:
 
 def _map(function: Callable[[Any], Any], data: Any, operation: str) -> Any:
     """``function`` on every tensor of ``data`` (one collective each), never stopped half-way
-    by an interrupt (see :func:`nblaunch.ranks.this_rank.interrupts_deferred`)."""
-    with this_rank.interrupts_deferred():
+    by an interrupt (see :func:`nblaunch.ranks.this_rank.interrupts_deferred`). The checked
+    call's claim on the flight recorder's entries ends with the region (ranks/recorder.py):
+    DDP's next all-reduce is not this call's."""
+    with verified_region(), this_rank.interrupts_deferred():
         return _map_each(function, data, operation)
 
 

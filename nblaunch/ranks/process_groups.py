@@ -104,15 +104,20 @@ def in_flight(group: str, seq: int) -> InFlight | None:
     """The flight recorder's entry for collective ``seq`` on ``group``; ``None`` when the
     recorder is off or no longer holds it.
 
+    ``seq`` is the number :func:`group_status` gives: gloo counts its sends and receives there
+    (and in an entry's ``op_id``), its entries' ``collective_seq_id`` does not, so a gloo entry
+    is found by its ``op_id``.
+
     Read without the issuing stacks: symbolising them takes a second on first use, and the
     waiting thread's own stack says the same.
     """
     for dump in _dumps(includeCollectives=True, includeStackTraces=False):
         for entry in reversed(dump.get("entries") or []):
             name, desc = [*(entry.get("process_group") or ()), "", ""][:2]
-            if str(name) != group or int(entry.get("collective_seq_id", -1)) != seq:
-                continue
             backend, _, operation = str(entry.get("profiling_name", "")).rpartition(":")
+            key = "op_id" if backend == "gloo" and "op_id" in entry else "collective_seq_id"
+            if str(name) != group or int(entry.get(key, -1)) != seq:
+                continue
             status = (dump.get("pg_status") or {}).get(str(name)) or {}
             return InFlight(
                 str(name),

@@ -23,8 +23,8 @@ the task's thread is on when the entry is read (the ``loss.backward()`` a rank w
 from __future__ import annotations
 
 import contextlib
-import json
 import pickle
+import re
 import sys
 import threading
 import time
@@ -39,6 +39,10 @@ from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, RECORDED
 # ``MAX_LAG_S`` old (a rank that hangs or waits has its last entries read by then).
 POLL_S = 0.02
 MAX_LAG_S = 0.25
+# Each group's count of collectives issued, in the recorder's counts (JSON).
+_ENQUEUED = re.compile(rb'"last_enqueued_collective"\s*:\s*"?(-?\d+)')
+# Distinct entries torch issued itself whose facts a reader keeps (see ``_facts``).
+MAX_KNOWN = 1024
 # torch's names of dtypes in the recorder, as torch.dtype prints them (others are kept as is).
 DTYPES = {
     "Float": "torch.float32",
@@ -112,12 +116,16 @@ class RecorderReader:
         self.paused = False
         self.waiting_since: float | None = None  # when a count moved, unread since
         self.issued = 0  # collectives issued on every group at the last read
+        self.issued_now = 0  # ... at the last look
+        self.issued_seen = 0  # ... at the look before
         self.counts_seen: Any = None  # the counts at the last look
         # (when, the task thread's line) at each look that saw a count move, since the last read
         self.sites: list[tuple[int, str]] = []
         self._size = recorder_size() or process_groups.FLIGHT_RECORDER_ENTRIES
+        self._known: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _facts
         self._dumps = _dump_functions()
         self._stop = threading.Event()
+        self._resumed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nblaunch-recorder", daemon=True)
 
     def start(self) -> None:
@@ -128,7 +136,7 @@ class RecorderReader:
             self.outbox.predicting = True
         with contextlib.suppress(Exception):
             self.counts = self._counts()
-            self.issued = _issued(self.counts)
+            self.issued = self.issued_now = self.issued_seen = _issued(self.counts)
             for entry in self._entries():
                 self.newest = max(self.newest, int(entry.get("record_id", -1)))
         self._thread.start()
@@ -136,6 +144,7 @@ class RecorderReader:
     def stop(self) -> None:
         """Stop the thread; read what the task issued last (its final calls)."""
         self._stop.set()
+        self._resumed.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
         if not self._thread.is_alive():  # never two readers sending at once
@@ -145,6 +154,7 @@ class RecorderReader:
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             if self.paused:
+                self._resumed.wait()  # not even a look meanwhile: as if the checks were off
                 continue
             try:
                 self.read(lazily=True)
@@ -153,64 +163,77 @@ class RecorderReader:
 
     def pause(self) -> None:
         """Stop reading (bench_debug's unchecked blocks); :meth:`resume` skips what came since."""
+        self._resumed.clear()
         self.paused = True
 
     def resume(self) -> None:
         with contextlib.suppress(Exception):
             self.counts = self._counts()
-            self.issued = _issued(self.counts)
+            self.issued = self.issued_now = self.issued_seen = _issued(self.counts)
             for entry in self._entries():
                 self.newest = max(self.newest, int(entry.get("record_id", -1)))
         self.paused = False
+        self._resumed.set()
 
     def read(self, lazily: bool = False) -> None:
         """Send the entries recorded since the last read, if a group's count moved; ``lazily``:
-        only once half the recorder is new or the oldest new entry waited ``MAX_LAG_S``."""
+        only once the recorder is nearly full of new entries or the oldest new entry waited
+        ``MAX_LAG_S`` (see ``POLL_S``)."""
         counts = self._counts()
         if counts != self.counts_seen:  # a count moved since the last look
             self.counts_seen = counts
             # Where the task's thread is now: the line of what torch issued since then.
             self.sites.append((time.time_ns(), _task_site(self.target)))
+            issued, self.issued_seen = _issued(counts), self.issued_now
+            self.issued_now = issued
         if counts == self.counts:
             return  # nothing new since the last read
         if self.waiting_since is None:
             self.waiting_since = time.monotonic()
         if lazily:
-            new = _issued(counts) - self.issued
-            if 2 * new < self._size and time.monotonic() - self.waiting_since < MAX_LAG_S:
+            # Read before the next look could find entries overwritten: what came since the
+            # last look may come again before it, twice over (a late look).
+            new = self.issued_now - self.issued
+            coming = 2 * max(self.issued_now - self.issued_seen, 0)
+            if new + coming < self._size and time.monotonic() - self.waiting_since < MAX_LAG_S:
                 return
         self.counts, self.waiting_since = counts, None
-        self.issued = _issued(counts)
+        self.issued = self.issued_seen = self.issued_now = _issued(counts)
         began = time.perf_counter()
-        entries = [e for e in self._entries() if int(e.get("record_id", -1)) > self.newest]
+        newest = self.newest
+        entries = [e for e in self._entries() if e.get("record_id", -1) > newest]
         self.reads += 1
         if not entries:
             self.read_s += time.perf_counter() - began
             return
-        entries.sort(key=lambda e: int(e.get("record_id", -1)))
+        entries.sort(key=lambda e: e.get("record_id", -1))
         first = int(entries[0].get("record_id", -1))
-        if self.newest >= 0 and first > self.newest + 1:
-            self.lost += first - self.newest - 1
+        if newest >= 0 and first > newest + 1:
+            self.lost += first - newest - 1
         self.newest = int(entries[-1].get("record_id", -1))
         sites, self.sites = self.sites, []
+        claims = _Claims(self.outbox.claims)
+        batch: list[tuple[fingerprints.Route, int, Any]] = []
         for entry in entries:
             if entry.get("is_p2p"):
                 continue  # sends and receives differ by design
-            name, _ = [*(str(v) for v in entry.get("process_group") or ()), "", ""][:2]
+            name = str((entry.get("process_group") or ("",))[0])
             route = self._route(name)
             if route is None:
                 continue
             seq = int(entry.get("collective_seq_id", -1))
-            claim = self._claim(name, entry)
+            created = int(entry.get("time_created_ns", 0))
+            claim = claims.of(name, entry.get("thread_id"), created)
             if claim is not None:
                 if not claim.matched:  # its first entry: what the next calls' numbers will be
                     claim.matched = True
                     fingerprints.learn_offset(claim, seq)
-                self.outbox.add_recorded(route, seq, claim.facts)
+                batch.append((route, seq, claim.facts))
             else:
-                site = _site_after(sites, int(entry.get("time_created_ns", 0)))
-                self.outbox.add_recorded(route, seq, self._facts(entry, name, site))
-            self.sent += 1
+                batch.append((route, seq, self._facts(entry, name, _site_after(sites, created))))
+        claims.forget()
+        self.outbox.add_recorded(batch)  # one write for them all
+        self.sent += len(batch)
         self.read_s += time.perf_counter() - began
 
     def _counts(self) -> list[bytes]:
@@ -236,40 +259,67 @@ class RecorderReader:
                 return None
         return self.outbox.route(group)
 
-    def _claim(self, name: str, entry: dict[str, Any]) -> fingerprints.Claim | None:
-        """The checked call that issued ``entry``, if one did."""
-        created = int(entry.get("time_created_ns", 0))
+    def _facts(self, entry: dict[str, Any], group: str, site: str) -> tuple[Any, ...]:
+        """The facts (``debug_report.FACTS``) of an entry torch issued itself."""
+        sizes = entry.get("input_sizes") or ()
+        dtypes = entry.get("input_dtypes") or ()
+        name = entry.get("profiling_name", "")
+        # (a DDP model made later on the group names its all-reduces from then on)
+        key = (group, name, tuple(map(tuple, sizes)), tuple(dtypes), _has_ddp_model(group))
+        known = self._known.get(key)  # a training loop's entries repeat: made once each
+        if known is None:
+            if len(self._known) >= MAX_KNOWN:
+                self._known.clear()
+            operation = str(name).split(":")[-1] or "collective"
+            if operation in ("all_reduce", "allreduce") and key[-1]:
+                label = DDP_ALL_REDUCE
+            else:
+                label = RECORDED.format(operation)
+            if operation in SAME_INPUTS:
+                shapes = tuple(tuple(int(n) for n in s) for s in sizes)
+                names = tuple(DTYPES.get(str(d), str(d)) for d in dtypes)
+                known = (label, "same", shapes, names)
+            else:
+                known = (label, "none", (), ())
+            self._known[key] = known
+        label, rule, shapes, names = known
+        return (label, site, rule, 0, shapes, names, (), None, (), None)
+
+
+class _Claims:
+    """The calls checked in Python (an outbox's claims, oldest first), as one read matches the
+    entries it found to them, oldest first (see the module)."""
+
+    def __init__(self, claims: Any) -> None:
+        self.claims = claims  # the outbox's deque: the task's thread appends meanwhile
+        self.pending = list(claims)
+        self.ended = 0  # claims before this one ended before the last entry was made
+
+    def of(self, group: str, thread: Any, created: int) -> fingerprints.Claim | None:
+        """The call that issued an entry made at ``created`` (ns) on ``thread`` (its ident, as
+        a string) on ``group``, if one did: the one that ran then on that thread."""
+        pending = self.pending
+        while self.ended < len(pending) and 0 < pending[self.ended].end < created:
+            self.ended += 1  # ended before this entry: neither it nor a later one is its
         try:
-            thread = int(entry.get("thread_id", 0))
-        except ValueError:
-            thread = 0
-        claims = self.outbox.claims
-        # Calls that ended before this entry cannot have issued it or any later one.
-        while claims and claims[0].end and claims[0].end < created:
-            with contextlib.suppress(IndexError):
-                claims.popleft()
-        for claim in list(claims):
+            ident = int(thread)
+        except (TypeError, ValueError):
+            return None
+        for i in range(self.ended, len(pending)):
+            claim = pending[i]
             if claim.start > created:
                 break
-            if claim.group == name and claim.thread == thread and not 0 < claim.end < created:
+            if claim.thread == ident and claim.group == group and not 0 < claim.end < created:
                 return claim
         return None
 
-    def _facts(self, entry: dict[str, Any], group: str, site: str) -> tuple[Any, ...]:
-        """The facts (``debug_report.FACTS``) of an entry torch issued itself."""
-        operation = str(entry.get("profiling_name", "")).split(":")[-1] or "collective"
-        if operation in ("all_reduce", "allreduce") and _has_ddp_model(group):
-            label = DDP_ALL_REDUCE
-        else:
-            label = RECORDED.format(operation)
-        shapes: tuple[Any, ...] = ()
-        dtypes: tuple[Any, ...] = ()
-        rule = "none"
-        if operation in SAME_INPUTS:
-            rule = "same"
-            shapes = tuple(tuple(int(n) for n in s) for s in entry.get("input_sizes") or ())
-            dtypes = tuple(DTYPES.get(str(d), str(d)) for d in entry.get("input_dtypes") or ())
-        return (label, site, rule, 0, shapes, dtypes, (), None, (), None)
+    def forget(self) -> None:
+        """Drop the calls that ended before the last entry from the outbox's claims."""
+        for claim in self.pending[: self.ended]:
+            if not self.claims or self.claims[0] is not claim:
+                break  # cleared meanwhile (the facts' table was full)
+            with contextlib.suppress(IndexError):
+                self.claims.popleft()
 
 
 def _site_after(sites: list[tuple[int, str]], created: int) -> str:
@@ -281,12 +331,12 @@ def _site_after(sites: list[tuple[int, str]], created: int) -> str:
 
 
 def _issued(counts: Any) -> int:
-    """Collectives issued on every group, from the recorders' counts (``_counts``)."""
+    """Collectives issued on every group, from the recorders' counts (``_counts``): a
+    look at the counts' JSON for its numbers, a third of parsing it (every look does this)."""
     total = 0
     for status in counts or ():
-        with contextlib.suppress(Exception):
-            for group in (json.loads(status).get("pg_status") or {}).values():
-                total += max(int(group.get("last_enqueued_collective", -1)), 0)
+        for number in _ENQUEUED.findall(status):
+            total += max(int(number), 0)
     return total
 
 
@@ -308,9 +358,15 @@ def _dump_functions() -> list[tuple[Any, Any]]:
 
 
 def _has_ddp_model(group: str) -> bool:
-    from nblaunch.ranks.debug_patches import ddp_groups
+    global _ddp_groups
+    if _ddp_groups is None:
+        from nblaunch.ranks.debug_patches import ddp_groups
 
-    return group in ddp_groups()
+        _ddp_groups = ddp_groups()  # the set itself, which DDP models made later join
+    return group in _ddp_groups
+
+
+_ddp_groups: set[str] | None = None
 
 
 def _task_site(target: int) -> str:
