@@ -232,10 +232,18 @@ class PageKernel:
         reply = client.wait_for_reply(self.kc.execute(code, silent=True, store_history=False))
         return reply["content"]
 
+    def _nothing_left(self, client) -> bool:
+        """Whether the last page left nothing that a reset does not undo (a kernel that does not
+        answer left too much)."""
+        try:
+            return self._quiet(client, LEFT_CODE)["status"] == "ok"
+        except Exception:  # TimeoutError, a dead kernel
+            return False
+
     def run(self, notebook: nbformat.NotebookNode, workdir: Path, env: dict[str, str]) -> None:
         """Run ``notebook``'s cells in order, as a page, in ``workdir`` with ``env`` set."""
         client = self._client(notebook, workdir)
-        if not self.clean and self._quiet(client, LEFT_CODE)["status"] != "ok":
+        if not self.clean and not self._nothing_left(client):
             self.restart()
         reset = self._quiet(client, RESET_CODE.format(workdir=str(workdir), env=env))
         assert reset["status"] == "ok", reset
@@ -370,3 +378,29 @@ def test_examples_run_as_written(page, page_kernel, tmp_path):
             batch = []
         batch.append(example)
     _run(batch, page_kernel, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_page_sees_nothing_of_the_page_before_in_the_shared_kernel(page_kernel, tmp_path):
+    page = tmp_path / "page.md"
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    left = (
+        "import os\nx = 1\nos.chdir('/')\nos.environ['NBLAUNCH_RUN_DIR'] = '/'\n%load_ext nblaunch"
+    )
+    _run([Example(page, 1, left)], page_kernel, first)
+    shows = "import os\nprint(os.getcwd(), os.environ['NBLAUNCH_RUN_DIR'])\nraise ValueError"
+    _run(
+        [
+            Example(page, 2, "x", raises="NameError"),
+            Example(page, 3, "os", raises="NameError"),
+            Example(page, 4, "%%distributed -n 2\n1", raises="UsageError"),
+            # its own folder and run directory, and cell numbers from 1 as in a new kernel
+            Example(page, 5, shows, raises="ValueError", output=[f"{second} {second / 'runs'}"]),
+        ],
+        page_kernel,
+        second,
+    )
+    cell = nbformat.v4.new_code_cell("raise ValueError")  # the reset's own cell is not counted
+    page_kernel.run(nbformat.v4.new_notebook(cells=[cell]), second, {})
+    assert "Cell In[1], line 1" in _cell_text(cell, nbformat.v4.new_notebook()), cell
