@@ -57,21 +57,47 @@ def _quiet_settings(settings: Path) -> None:
     path.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
-    """JupyterLab serving a scratch copy of the quick-start notebook; yields its URL."""
-    work = tmp_path / "work"
-    work.mkdir()
-    shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", work / "quickstart.ipynb")
-    yield from _serve(tmp_path, "quickstart.ipynb")
-
-
-def _serve(tmp_path: Path, name: str):
-    """JupyterLab on 127.0.0.1 serving ``tmp_path/work``; yields the URL of notebook ``name``."""
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
+@pytest.fixture(scope="module")
+def shared_lab(tmp_path_factory) -> Iterator[tuple[Path, str, str]]:
+    """One JupyterLab for the module's tests (a start costs 5-20 s here): its root folder, base
+    URL and token. Each test's notebook is in a folder of its own (its runs go next to it) and
+    opens in a workspace of its own, so no test's layout or kernel shows in another's page."""
+    base_dir = tmp_path_factory.mktemp("jupyterlab")
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(base_dir / "config"))
     env.pop("NBLAUNCH_RUN_DIR", None)  # the default, .nblaunch/runs next to the notebook
-    with running_lab(tmp_path, env) as (base, token):
-        yield f"{base}/lab/tree/{name}?token={token}"
+    (base_dir / "work").mkdir()
+    with running_lab(base_dir, env) as (base, token):
+        yield base_dir / "work", base, token
+
+
+@pytest.fixture
+def jupyterlab(shared_lab, tmp_path):
+    """JupyterLab serving a scratch copy of the quick-start notebook; yields its URL."""
+    folder = _folder(shared_lab, tmp_path)
+    shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", folder / "quickstart.ipynb")
+    yield from _serve(shared_lab, folder, "quickstart.ipynb")
+
+
+def _folder(shared_lab: tuple[Path, str, str], tmp_path: Path) -> Path:
+    """The test's own folder in the shared JupyterLab's root (named as its ``tmp_path``)."""
+    folder = shared_lab[0] / tmp_path.name
+    folder.mkdir()
+    return folder
+
+
+def _serve(shared_lab: tuple[Path, str, str], folder: Path, name: str):
+    """Yields the URL of notebook ``folder/name`` in the shared JupyterLab, in a workspace of
+    its own; afterwards shuts its kernels down, as closing the notebook would not."""
+    work, base, token = shared_lab
+    path = f"{folder.relative_to(work)}/{name}"
+    yield f"{base}/lab/workspaces/{folder.name}/tree/{path}?token={token}"
+    headers = {"Authorization": f"token {token}"}
+    with urllib.request.urlopen(urllib.request.Request(f"{base}/api/sessions", None, headers)) as r:
+        sessions = json.loads(r.read())
+    for session in sessions:
+        if session["path"].startswith(f"{folder.relative_to(work)}/"):
+            url = f"{base}/api/kernels/{session['kernel']['id']}"
+            urllib.request.urlopen(urllib.request.Request(url, None, headers, method="DELETE"))
 
 
 @contextlib.contextmanager
@@ -187,23 +213,22 @@ CHART_CELLS = [
 ]
 
 
-def _notebook(tmp_path: Path, name: str, cells: list[str]):
+def _notebook(shared_lab: tuple[Path, str, str], tmp_path: Path, name: str, cells: list[str]):
     """JupyterLab serving a new notebook ``name`` made of ``cells``; yields its URL."""
     import nbformat
 
-    work = tmp_path / "work"
-    work.mkdir()
+    work = _folder(shared_lab, tmp_path)
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
     # A kernel to start without asking, as a saved notebook has.
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
     nbformat.write(notebook, work / name)
-    yield from _serve(tmp_path, name)
+    yield from _serve(shared_lab, work, name)
 
 
 @pytest.fixture
-def chart_notebook(tmp_path):
-    yield from _notebook(tmp_path, "charts.ipynb", CHART_CELLS)
+def chart_notebook(shared_lab, tmp_path):
+    yield from _notebook(shared_lab, tmp_path, "charts.ipynb", CHART_CELLS)
 
 
 def test_the_loss_chart_moves_while_ranks_train(chart_notebook, tmp_path):
@@ -243,8 +268,8 @@ DEBUG_CELLS = [
 
 
 @pytest.fixture
-def debug_notebook(tmp_path):
-    yield from _notebook(tmp_path, "debug.ipynb", DEBUG_CELLS)
+def debug_notebook(shared_lab, tmp_path):
+    yield from _notebook(shared_lab, tmp_path, "debug.ipynb", DEBUG_CELLS)
 
 
 def test_a_rank_s_breakpoint_is_answered_in_the_notebook(debug_notebook, tmp_path):
@@ -291,8 +316,8 @@ BACKGROUND_CELLS = [
 
 
 @pytest.fixture
-def background_notebook(tmp_path):
-    yield from _notebook(tmp_path, "background.ipynb", BACKGROUND_CELLS)
+def background_notebook(shared_lab, tmp_path):
+    yield from _notebook(shared_lab, tmp_path, "background.ipynb", BACKGROUND_CELLS)
 
 
 def _run_cell(page, index: int) -> None:
@@ -472,8 +497,8 @@ def _show_many_ranks(url: str, ranks: int, shot: Path) -> dict[str, float]:
 
 
 @pytest.fixture
-def sixteen_ranks(tmp_path):
-    yield from _notebook(tmp_path, "ranks16.ipynb", _many_ranks_cells(16))
+def sixteen_ranks(shared_lab, tmp_path):
+    yield from _notebook(shared_lab, tmp_path, "ranks16.ipynb", _many_ranks_cells(16))
 
 
 def test_sixteen_ranks_show_a_grid_a_picker_and_folded_lines(sixteen_ranks, tmp_path):
@@ -482,9 +507,9 @@ def test_sixteen_ranks_show_a_grid_a_picker_and_folded_lines(sixteen_ranks, tmp_
 
 
 @pytest.fixture(params=[8, 64])
-def many_ranks(request, tmp_path):
+def many_ranks(request, shared_lab, tmp_path):
     ranks = request.param
-    for url in _notebook(tmp_path, f"ranks{ranks}.ipynb", _many_ranks_cells(ranks)):
+    for url in _notebook(shared_lab, tmp_path, f"ranks{ranks}.ipynb", _many_ranks_cells(ranks)):
         yield ranks, url
 
 

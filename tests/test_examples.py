@@ -1,20 +1,23 @@
 """Every Python example in README.md and docs/ runs as written, or says why it does not.
 
 A page's ```python blocks run in order, as the cells of one notebook, in a real kernel (nbclient),
-on 2 CPU ranks where they launch. An HTML comment right above a block changes that:
+on 2 CPU ranks where they launch. The pages share one kernel, reset before each page (its names,
+``%load_ext``, working directory and cell numbers) and restarted when a page left a pool or
+processes behind: a kernel per page cost about 10 s a page in starts and imports. An HTML
+comment right above a block changes that:
 
 - ``<!-- not run: REASON -->``: the block is not run; the reason is required (needs a GPU,
   several hosts, a framework's data ...).
 - ``<!-- raises: NAME -->``: the block must raise the exception ``NAME`` (a hang, a failing rank).
-- ``<!-- new kernel -->``: this block and the ones after it run in a new kernel (a detached run
-  attached to after a restart).
+- ``<!-- new kernel -->``: this block and the ones after it run in a new kernel (the kernel is
+  restarted: a detached run attached to after a restart).
 - ``<!-- output -->`` above a non-Python block (```text): the output of the Python block before
   it; every line must be in what that block printed or displayed (the live view's "All ranks"
   log included). A line ``...`` stands for lines left out, ``.../`` for the start of a path, and
   a decimal number (a time) matches any decimal number.
 
-The kernels run in a scratch directory, with the repository and ``tests/`` on ``PYTHONPATH``.
-The quick start's blocks (README.md, docs/getting-started.md) are the cells of
+Each page runs in a scratch directory of its own, with the repository and ``tests/`` on
+``PYTHONPATH``. The quick start's blocks (README.md, docs/getting-started.md) are the cells of
 notebooks/quickstart.ipynb, which tests/test_quickstart.py runs and checks: here they are
 checked to be those cells, and not run a second and third time.
 """
@@ -142,22 +145,143 @@ def _errors(cell: nbformat.NotebookNode) -> list[str]:
     return names
 
 
-def _run(batch: list[Example], workdir: Path) -> None:
-    """Run ``batch`` as the cells of one notebook in a new kernel and check each cell."""
-    from nbclient import NotebookClient
+# What the last page set up (names, the magics, the working directory, cell numbers) is reset
+# before a page, so that each page runs as if in a kernel of its own. Modules stay imported
+# (torch, nblaunch) and the ranks' forkserver stays up: that is what sharing saves.
+RESET_CODE = """
+def _reset(workdir, env):
+    import os
+    os.chdir(workdir)
+    os.environ.update(env)
+    ip = get_ipython()
+    if "nblaunch" in ip.extension_manager.loaded:
+        ip.extension_manager.unload_extension("nblaunch")
+    # reset drops __main__'s __spec__ and the like, which multiprocessing reads at each launch
+    kept = {{k: v for k, v in ip.user_ns.items() if k.startswith("__") and k.endswith("__")}}
+    ip.reset(new_session=True)  # what %reset -f clears, and the cell numbers start at 1
+    ip.user_ns.update({{k: v for k, v in kept.items() if k not in ip.user_ns}})
+    ip.execution_count = 1
+_reset({workdir!r}, {env!r})
+"""
 
+# Whether the last page left something that a reset does not undo: a pool, or processes (ranks,
+# a run's host) other than multiprocessing's helpers and the spare ranks. Then a new kernel.
+LEFT_CODE = """
+import psutil
+import nblaunch.engine.pool_ranks, nblaunch.engine.spares, nblaunch.engine.supervisor
+from multiprocessing import forkserver, resource_tracker
+for _, _, process in list(nblaunch.engine.supervisor._leaving):
+    process.join(5.0)  # ranks a finished run let go exit on their own
+helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
+helpers.update(nblaunch.engine.spares.pids())
+left = [p.pid for p in psutil.Process().children(recursive=True)
+        if p.pid not in helpers and p.status() != psutil.STATUS_ZOMBIE]
+if left or nblaunch.engine.pool_ranks.current_pool() is not None:
+    raise RuntimeError(f"left behind: pool {nblaunch.engine.pool_ranks.current_pool()}, {left}")
+"""
+
+
+class PageKernel:
+    """One kernel (nbclient's) that runs the pages one after another.
+
+    Each page's notebook runs after ``RESET_CODE``; the kernel restarts (a new process) for a
+    page's ``<!-- new kernel -->`` block, and when the last page left a pool or processes, or
+    failed. A kernel per page cost a kernel start, importing torch and nblaunch, and a new
+    forkserver importing torch for the ranks: about 10 s a page here.
+    """
+
+    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        from nbclient import NotebookClient
+
+        starter = NotebookClient(
+            nbformat.v4.new_notebook(),
+            timeout=CELL_TIMEOUT_S,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(cwd)}},
+        )
+        starter.km = starter.create_kernel_manager()
+        starter.start_new_kernel(env=env)
+        starter.start_new_kernel_client()
+        self.km, self.kc = starter.km, starter.kc
+        self.clean = True  # nothing ran since the kernel started
+
+    def restart(self) -> None:
+        from jupyter_core.utils import run_sync
+
+        run_sync(self.km.restart_kernel)()
+        run_sync(self.kc.wait_for_ready)(timeout=60)
+        self.clean = True
+
+    def _client(self, notebook: nbformat.NotebookNode, workdir: Path):
+        from nbclient import NotebookClient
+
+        client = NotebookClient(
+            notebook,
+            km=self.km,
+            timeout=CELL_TIMEOUT_S,
+            kernel_name="python3",
+            allow_errors=True,
+            store_widget_state=True,
+            resources={"metadata": {"path": str(workdir)}},
+        )
+        client.kc = self.kc
+        return client
+
+    def _quiet(self, client, code: str) -> dict:
+        """Run ``code`` without a cell number or output; its reply's content."""
+        reply = client.wait_for_reply(self.kc.execute(code, silent=True, store_history=False))
+        return reply["content"]
+
+    def _nothing_left(self, client) -> bool:
+        """Whether the last page left nothing that a reset does not undo (a kernel that does not
+        answer left too much)."""
+        try:
+            return self._quiet(client, LEFT_CODE)["status"] == "ok"
+        except Exception:  # TimeoutError, a dead kernel
+            return False
+
+    def run(self, notebook: nbformat.NotebookNode, workdir: Path, env: dict[str, str]) -> None:
+        """Run ``notebook``'s cells in order, as a page, in ``workdir`` with ``env`` set."""
+        client = self._client(notebook, workdir)
+        if not self.clean and not self._nothing_left(client):
+            self.restart()
+        reset = self._quiet(client, RESET_CODE.format(workdir=str(workdir), env=env))
+        assert reset["status"] == "ok", reset
+        self.clean = False
+        try:
+            client.execute()
+        except BaseException:
+            self.restart()  # a cell that timed out or a dead kernel: the next page gets a new one
+            raise
+
+    def close(self) -> None:
+        from jupyter_core.utils import run_sync
+
+        self.kc.stop_channels()
+        run_sync(self.km.shutdown_kernel)(now=False)
+
+
+@pytest.fixture(scope="module")
+def page_kernel(tmp_path_factory):
+    """One kernel for every page, with the repository and ``tests/`` on its ``PYTHONPATH``."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    kernel = PageKernel(tmp_path_factory.mktemp("examples"), env)
+    yield kernel
+    kernel.close()
+
+
+def _run(batch: list[Example], kernel: PageKernel, workdir: Path) -> None:
+    """Run ``batch`` as the cells of one notebook in ``kernel`` and check each cell."""
     notebook = nbformat.v4.new_notebook(
         cells=[nbformat.v4.new_code_cell(example.code) for example in batch]
     )
-    client = NotebookClient(
-        notebook,
-        timeout=CELL_TIMEOUT_S,
-        kernel_name="python3",
-        allow_errors=True,
-        store_widget_state=True,
-        resources={"metadata": {"path": str(workdir)}},
-    )
-    client.execute()
+    env = {
+        "NBLAUNCH_RUN_DIR": str(workdir / "runs"),
+        "NBLAUNCH_DETACHED_DIR": str(workdir / "detached"),
+    }
+    kernel.run(notebook, workdir, env)
     for example, cell in zip(batch, notebook.cells, strict=True):
         errors = _errors(cell)
         text = _cell_text(cell, notebook)
@@ -245,13 +369,38 @@ def test_quick_start_is_the_quickstart_notebook(page):
 @pytest.mark.parametrize(
     "page", _runnable_pages(), ids=lambda page: str(page.relative_to(ROOT)).replace("/", "-")
 )
-def test_examples_run_as_written(page, tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{ROOT / 'tests'}")
-    monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(tmp_path / "detached"))
+def test_examples_run_as_written(page, page_kernel, tmp_path):
     batch: list[Example] = []
     for example in _to_run(page):
         if example.new_kernel and batch:
-            _run(batch, tmp_path)
+            _run(batch, page_kernel, tmp_path)
+            page_kernel.restart()
             batch = []
         batch.append(example)
-    _run(batch, tmp_path)
+    _run(batch, page_kernel, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_page_sees_nothing_of_the_page_before_in_the_shared_kernel(page_kernel, tmp_path):
+    page = tmp_path / "page.md"
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    left = (
+        "import os\nx = 1\nos.chdir('/')\nos.environ['NBLAUNCH_RUN_DIR'] = '/'\n%load_ext nblaunch"
+    )
+    _run([Example(page, 1, left)], page_kernel, first)
+    shows = "import os\nprint(os.getcwd(), os.environ['NBLAUNCH_RUN_DIR'])\nraise ValueError"
+    _run(
+        [
+            Example(page, 2, "x", raises="NameError"),
+            Example(page, 3, "os", raises="NameError"),
+            Example(page, 4, "%%distributed -n 2\n1", raises="UsageError"),
+            # its own folder and run directory, and cell numbers from 1 as in a new kernel
+            Example(page, 5, shows, raises="ValueError", output=[f"{second} {second / 'runs'}"]),
+        ],
+        page_kernel,
+        second,
+    )
+    cell = nbformat.v4.new_code_cell("raise ValueError")  # the reset's own cell is not counted
+    page_kernel.run(nbformat.v4.new_notebook(cells=[cell]), second, {})
+    assert "Cell In[1], line 1" in _cell_text(cell, nbformat.v4.new_notebook()), cell

@@ -158,19 +158,32 @@ def _free_port() -> int:
 ATTACH_POOL = "import nblaunch\npool = nblaunch.attach_pool()\n"
 
 
-@pytest.fixture
-def lab_server(tmp_path, monkeypatch):
-    """A server whose root folder is ``tmp_path/work``; runs go to its ``.nblaunch/runs``."""
-    work = tmp_path / "work"
+@pytest.fixture(scope="module")
+def _shared_server(tmp_path_factory):
+    """One server for the module's tests (a start and a stop cost 5-30 s here): its root folder
+    ``work`` and its detached runs' registry. Each test looks only at the runs it starts."""
+    base = tmp_path_factory.mktemp("lab")
+    work, registry = base / "work", base / "detached"
     work.mkdir()
-    monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(tmp_path / "detached"))
-    monkeypatch.delenv("NBLAUNCH_RUN_DIR")  # the default, .nblaunch/runs in the root folder
-    startup = tmp_path / "ipython" / "profile_default" / "startup"
+    startup = base / "ipython" / "profile_default" / "startup"
     startup.mkdir(parents=True)
     (startup / "00-attach-pool.py").write_text(ATTACH_POOL)
-    server = Server(tmp_path, work, {"IPYTHONDIR": str(tmp_path / "ipython")})
-    yield server, work
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NBLAUNCH_DETACHED_DIR", str(registry))
+        env.delenv("NBLAUNCH_RUN_DIR", raising=False)  # the default, .nblaunch/runs in the root
+        server = Server(base, work, {"IPYTHONDIR": str(base / "ipython")})
+    yield server, work, registry
     server.close()
+
+
+@pytest.fixture
+def lab_server(_shared_server, monkeypatch):
+    """The module's server, whose root folder is ``work``; runs go to its ``.nblaunch/runs``,
+    and this process starts detached runs in the server's registry."""
+    server, work, registry = _shared_server
+    monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(registry))
+    monkeypatch.delenv("NBLAUNCH_RUN_DIR")
+    return server, work
 
 
 @pytest.mark.slow
@@ -295,7 +308,7 @@ def test_a_detached_pool_is_listed_with_the_kernel_that_holds_it_and_stopped(lab
 
 
 @pytest.mark.slow
-def test_another_user_s_runs_are_neither_listed_nor_reachable(lab_server, tmp_path):
+def test_another_user_s_runs_are_neither_listed_nor_reachable(lab_server):
     if os.getuid() != 0:
         pytest.skip("making files of another uid needs root")
     server, work = lab_server
@@ -308,7 +321,7 @@ def test_another_user_s_runs_are_neither_listed_nor_reachable(lab_server, tmp_pa
     os.chown(theirs, other, other)
     # Their detached run, in a registry only root could write into: the entry and its
     # directory are theirs, and its "host" is a process of theirs.
-    registry = tmp_path / "detached"
+    registry = Path(os.environ["NBLAUNCH_DETACHED_DIR"])  # the server's
     registry.mkdir(mode=0o700, exist_ok=True)
     host = subprocess.Popen(
         ["setpriv", f"--reuid={other}", f"--regid={other}", "--clear-groups",
