@@ -262,3 +262,14 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_after_reset_f_the_next_launches_fork_their_ranks(kernel):
+    """``%reset -f`` deletes ``__main__.__spec__``, which multiprocessing reads as it prepares
+    a rank (spares, and the ranks of a launch that has none)."""
+    launch = "import nblaunch\nprint(nblaunch.notebook_launcher(lambda: 1, (), 2, display='none'))"
+    assert kernel.run(launch, timeout=120)["out"].strip() == "[1, 1]"
+    assert kernel.run("%reset -f")["error"] is None
+    for _ in range(2):  # on the spares forked before the reset, then on ranks forked after
+        cell = kernel.run(launch, timeout=120)
+        assert cell["error"] is None and cell["out"].strip() == "[1, 1]", cell

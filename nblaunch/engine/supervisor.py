@@ -423,6 +423,9 @@ def main_module_hidden() -> Iterator[None]:
     multiprocessing a main module with no file while processes start.
     """
     real_main = sys.modules["__main__"]
+    if not hasattr(real_main, "__spec__"):
+        # IPython's %reset -f deletes it, and multiprocessing reads it: a new kernel has None.
+        real_main.__spec__ = None
     if not main_module_has_source():  # a notebook's: nothing to hide, and nothing swapped
         yield
         return
