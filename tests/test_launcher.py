@@ -240,7 +240,8 @@ def test_progress_bars_in_the_widget_keep_each_last_state_once(monkeypatch, tmp_
         assert all(line.strip() for line in lines), lines  # no blank or cleared bar lines
         bars = [line for line in lines if "it/s]" in line]
         assert [bar.split("|")[-1].split()[0] for bar in bars] == ["5/5", "0/6", "6/6"], lines
-        others = [line for line in lines if "it/s]" not in line]
+        # (torch 2.8's gloo also logs "[Gloo] Rank 0 is connected to 1 peer ranks" at its start)
+        others = [line for line in lines if "it/s]" not in line and not line.startswith("[Gloo]")]
         assert others == [
             f"[transformers] next {rank}",
             f"[transformers] warning {rank}",
