@@ -38,6 +38,7 @@ BUILDS = ["cpu", "cuda"]
 FAST = ["-m", "not browser and not slow"]
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 RESULTS = Path(".nox/matrix.tsv")
+NO_WHEEL = "no torch"  # how a cell's detail starts when its torch would not install
 PARTIAL_RESULTS = Path(".nox/matrix-partial.tsv")  # runs given other pytest arguments
 
 nox.options.sessions = ["tests"]
@@ -69,7 +70,7 @@ def _run_cell(session: nox.Session, torch: str, build: str) -> None:
     try:
         _install_torch(session, torch, build)
     except nox.command.CommandFailed:
-        _record(results, cell, "not run", f"no torch {torch} {build} wheel reachable", started)
+        _record(results, cell, "not run", f"{NO_WHEEL} {torch} {build} wheel reachable", started)
         session.skip(f"no {build} build of torch {torch} for Python {session.python} reachable")
     # nblaunch and its test requirements, keeping the torch installed above: unpinned, pip
     # upgrades it for a requirement's sake (it took 2.2.2 to 2.14.1 here). The installed
