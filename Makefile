@@ -12,7 +12,7 @@ CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 SAY_TORCH = $(PY) -c "import torch; c = torch.version.cuda; print('torch', torch.__version__, \
 	f'(the CUDA {c} build: no CPU wheel was reachable)' if c else '(the CPU build)')"
 
-.PHONY: demo test test-fast test-matrix test-browser test-xla screenshots lint bench docs install clean lab-build
+.PHONY: demo test test-fast test-matrix test-ci-cuda test-browser test-xla screenshots lint bench docs install clean lab-build
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ NOX_ARGS ?=
 test-matrix: install
 	$(VENV)/bin/nox $(NOX_ARGS)
 	$(PY) scripts/matrix_table.py .nox/matrix.tsv
+
+# The matrix cell CI runs besides `make test`: the fast tests on Python 3.13 with PyPI's torch
+# (the CUDA build, on a machine without GPUs), in a fresh venv; docs/versions.md says what it
+# costs (about 5 GB of downloads unless pip's cache has them).
+CI_CUDA_CELL ?= tests-3.13(2.13.0-cuda)
+test-ci-cuda: install
+	$(VENV)/bin/nox --error-on-missing-interpreters -s "$(CI_CUDA_CELL)"
 
 # Every browser test, the 8- and 64-rank one too, saving its pictures over the docs' own (a
 # test run keeps them in its temporary folders).

@@ -29,15 +29,16 @@ from pathlib import Path
 import nox
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
-# The declared floor (pyproject.toml; 2.2 failed: no init_process_group(device_id=) before
-# 2.3), the one notebook platforms shipped in 2025 (2.9; not checked against Colab or Kaggle
-# today, which this machine cannot reach), the one `make test` installs, and the newest this
-# machine's pip may install (/etc/xdg/pip caps it).
-TORCHES = ["2.5.1", "2.9.1", "2.13.0", "2.14.1"]
+# The declared floor (pyproject.toml; 2.2 and 2.5 failed, see docs/versions.md), the one
+# notebook platforms shipped in 2025 (2.9; not checked against Colab or Kaggle today, which
+# this machine cannot reach), the one `make test` installs, and the newest this machine's pip
+# may install (/etc/xdg/pip caps it).
+TORCHES = ["2.8.0", "2.9.1", "2.13.0", "2.14.1"]
 BUILDS = ["cpu", "cuda"]
 FAST = ["-m", "not browser and not slow"]
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 RESULTS = Path(".nox/matrix.tsv")
+NO_WHEEL = "no torch"  # how a cell's detail starts when its torch would not install
 PARTIAL_RESULTS = Path(".nox/matrix-partial.tsv")  # runs given other pytest arguments
 
 nox.options.sessions = ["tests"]
@@ -69,7 +70,7 @@ def _run_cell(session: nox.Session, torch: str, build: str) -> None:
     try:
         _install_torch(session, torch, build)
     except nox.command.CommandFailed:
-        _record(results, cell, "not run", f"no torch {torch} {build} wheel reachable", started)
+        _record(results, cell, "not run", f"{NO_WHEEL} {torch} {build} wheel reachable", started)
         session.skip(f"no {build} build of torch {torch} for Python {session.python} reachable")
     # nblaunch and its test requirements, keeping the torch installed above: unpinned, pip
     # upgrades it for a requirement's sake (it took 2.2.2 to 2.14.1 here). The installed

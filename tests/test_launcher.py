@@ -224,6 +224,12 @@ def test_progress_bars_end_where_the_next_output_begins_in_the_text_view(capfd, 
         assert f"\n[transformers] warning {rank}\n" in log
 
 
+def _gloo_log(line: str) -> bool:
+    """torch 2.8's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks. ..." as a group
+    starts (2.9 and later do not): the rank's output, but not the test's."""
+    return line.startswith("[Gloo] ")
+
+
 def test_progress_bars_in_the_widget_keep_each_last_state_once(monkeypatch, tmp_path):
     from nblaunch.notebook.views import LaunchView, choose, widget
 
@@ -240,7 +246,7 @@ def test_progress_bars_in_the_widget_keep_each_last_state_once(monkeypatch, tmp_
         assert all(line.strip() for line in lines), lines  # no blank or cleared bar lines
         bars = [line for line in lines if "it/s]" in line]
         assert [bar.split("|")[-1].split()[0] for bar in bars] == ["5/5", "0/6", "6/6"], lines
-        others = [line for line in lines if "it/s]" not in line]
+        others = [line for line in lines if "it/s]" not in line and not _gloo_log(line)]
         assert others == [
             f"[transformers] next {rank}",
             f"[transformers] warning {rank}",
@@ -249,7 +255,7 @@ def test_progress_bars_in_the_widget_keep_each_last_state_once(monkeypatch, tmp_
         ]
         assert lines.index(f"{{'loss': 0.{rank}}}") < lines.index(bars[-1])  # bar below it
     # The two ranks' bars interleave in the All ranks tab without mixing.
-    everything = [(line[0], line[2]) for line in view.model.all_lines]
+    everything = [(line[0], line[2]) for line in view.model.all_lines if not _gloo_log(line[2])]
     assert len(everything) == 14
     assert not [text for _, text in everything if _glued(text)]
 

@@ -7,6 +7,8 @@ places where nblaunch does something different per version, on whichever torch r
 from __future__ import annotations
 
 import datetime
+import io
+import re
 import socket
 
 import pytest
@@ -14,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
-from nblaunch.cluster.store import host_store
+from nblaunch import LaunchError, notebook_launcher
+from nblaunch.cluster.join import EXIT_USAGE, join
+from nblaunch.cluster.store import host_store, require_store_queues
 from nblaunch.ranks.default_group import rendezvous_store
 
 
@@ -49,3 +53,28 @@ def test_the_stores_nblaunch_serves_take_the_socket_it_bound(monkeypatch, serve,
     client.set("from the rank", "hello")
     assert server.get("from the rank") == b"hello"
     assert server.libuvBackend == (TorchVersion(torch.__version__) >= (2, 8))
+
+
+def test_the_store_has_queues_from_torch_2_8():
+    # nblaunch's multi-node channel is the store's queues: the version nblaunch checks for
+    # (require_store_queues) must be the one that has them, on whichever torch runs this.
+    has_queues = all(hasattr(dist.Store, m) for m in ("queue_push", "queue_pop", "queue_len"))
+    assert has_queues == (TorchVersion(torch.__version__) >= (2, 8))
+    assert hasattr(dist, "QueueEmptyError") == has_queues
+
+
+@pytest.mark.parametrize("version", ["2.7.1", "2.5.1+cu124"])
+def test_a_multinode_run_on_torch_before_2_8_says_to_upgrade(monkeypatch, version):
+    monkeypatch.setattr(torch, "__version__", version)
+    endpoint = "127.0.0.2:29400"  # never listened on: the version is refused first
+    said = rf"need torch 2.8 or newer.*this is torch {re.escape(version)}\."
+    with pytest.raises(LaunchError, match=said):
+        notebook_launcher(print, (), 1, num_nodes=2, rdzv_endpoint=endpoint, display="none")
+    out = io.StringIO()
+    assert join(endpoint, "a-run", connect_timeout=1, out=out) == EXIT_USAGE
+    assert f"this is torch {version}. Upgrade torch on every node" in out.getvalue()
+
+
+def test_torch_2_8_and_newer_run_multinode(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    require_store_queues()  # no error

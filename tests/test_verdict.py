@@ -139,6 +139,26 @@ def test_the_debug_hint_only_for_failures_inside_a_collective():
     assert "debug=True" not in exc.__notes__[0]
 
 
+@pytest.mark.parametrize(
+    "gloo_says",
+    [
+        # torch 2.9+
+        "op.preamble.length <= op.nbytes. 580 vs 4. Received data size doesn't match expected "
+        "size. Is there a distributed collective mismatch in your code?",
+        "op.preamble.length <= op.nbytes. 580 vs 4",  # torch 2.8
+    ],
+)
+def test_gloo_s_size_check_abort_is_a_failure_inside_a_collective(gloo_says):
+    # A rank that gloo aborts (SIGABRT, no Python traceback) when the ranks' collectives differ
+    # in size: only gloo's line says it was in a collective, and it gets the debug hint.
+    last_output = (
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+        f"  what():  [enforce fail at gloo/transport/tcp/pair.cc:456] {gloo_says}"
+    )
+    assert verdict.failed_in_collective(last_output)
+    assert not verdict.failed_in_collective("terminate called after throwing std::bad_alloc")
+
+
 def test_an_exception_that_does_not_unpickle_keeps_its_type_name_and_traceback():
     root = raised(1, ValueError("boom"))
     root.exception_bytes = b"garbage"

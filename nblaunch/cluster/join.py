@@ -39,6 +39,7 @@ from nblaunch.cluster.store import (
     node_rank_of,
     parse_endpoint,
     rendezvous_handler,
+    require_store_queues,
     unshared_rendezvous_store,
     wait_for_port,
 )
@@ -188,6 +189,7 @@ def _join_once(
         print(f"nblaunch join [{stamp}]: {message}", file=stream, flush=True)
 
     try:
+        require_store_queues()
         host, port = parse_endpoint(endpoint)
     except LaunchError as exc:
         say(str(exc))

@@ -56,7 +56,7 @@ from nblaunch.cluster.channel import (
 from nblaunch.cluster.head import Head
 from nblaunch.cluster.node_start import NodeStarter
 from nblaunch.cluster.plan import MultiNodePlan, plan_nodes
-from nblaunch.cluster.store import signal_handlers_kept
+from nblaunch.cluster.store import require_store_queues, signal_handlers_kept
 from nblaunch.engine.plan import serialize_payload
 from nblaunch.engine.relay import Relay
 from nblaunch.engine.run import Run
@@ -119,6 +119,7 @@ def launch_multinode(
         The launch was interrupted; every rank on every node has been stopped.
     """
 
+    require_store_queues()
     plan = plan_nodes(function, num_processes, options, nodes)
     payload = serialize_payload(function, args, kwargs)
     view = view_factory()

@@ -30,6 +30,28 @@ from nblaunch.ranks.default_group import listen_fd_options
 STORE_TIMEOUT_S = 60.0
 
 
+def require_store_queues() -> None:
+    """Refuse a multi-node run on a torch whose store has no queues (torch < 2.8).
+
+    The nodes' channel and the head's hellos are ``Store.queue_push``/``queue_pop``, which
+    torch 2.8 added (with ``torch.distributed.QueueEmptyError``); pyproject.toml asks for 2.8,
+    and this says so to whoever forced an older torch in.
+
+    Raises
+    ------
+    LaunchError
+        Naming this torch and the upgrade.
+    """
+    import torch
+
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 8):
+        raise LaunchError(
+            f"multi-node runs need torch 2.8 or newer (its store's queues carry the nodes' "
+            f"events); this is torch {torch.__version__}. Upgrade torch on every node: "
+            "pip install 'torch>=2.8'"
+        )
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """Split ``"host:port"`` (``"[v6]:port"``; port 29400 when left out).
 

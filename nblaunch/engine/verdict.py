@@ -288,10 +288,19 @@ _COLLECTIVE_FRAME = re.compile(
 )
 
 
+# gloo's abort when a rank receives more than its collective expects. torch 2.9's gloo adds "Is
+# there a distributed collective mismatch in your code?"; torch 2.8's says only this.
+_GLOO_SIZE_MISMATCH = "op.preamble.length <= op.nbytes"
+
+
 def failed_in_collective(text: str) -> bool:
     """True when a failure's traceback or message shows it happened in a collective: a frame of
     a torch.distributed collective, or gloo/NCCL saying the collectives did not match."""
-    return bool(_COLLECTIVE_FRAME.search(text)) or "collective mismatch" in text.lower()
+    return (
+        bool(_COLLECTIVE_FRAME.search(text))
+        or "collective mismatch" in text.lower()
+        or _GLOO_SIZE_MISMATCH in text
+    )
 
 
 def recreate_exception(failure: RootCause, world_size: int) -> BaseException:
