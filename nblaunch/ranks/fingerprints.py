@@ -225,7 +225,7 @@ class Outbox:
         """Send flight recorder entries, each ``(route, its number on the group, its facts or
         the index of facts already sent)`` (a call checked here that issued it), in one write."""
         with self._lock:  # its definitions reach the pipe before any call that uses them
-            message = b""
+            parts = []
             for route, seq, facts in entries:
                 recorded = route.recorded
                 if recorded is None:
@@ -233,8 +233,8 @@ class Outbox:
                         1_000_000 + route.index, route.name, route.members, RECORDER
                     )
                 recorded.calls += 1
-                message += self._message(recorded, seq, facts)[0]
-            self._write(message)
+                parts.append(self._message(recorded, seq, facts)[0])
+            self._write(b"".join(parts))  # not +=: a read may bring 2,000 entries
 
     def _send(
         self, route: Route, n: int, facts: tuple[Any, ...] | int, predicted: int = -1
