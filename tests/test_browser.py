@@ -150,9 +150,9 @@ def running_lab(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple[str, str]
 
 
 @contextlib.contextmanager
-def _running(url: str, height: int):
-    """Chromium with the notebook at ``url`` open, its kernel idle, every cell started; yields
-    the page and closes the browser at the end."""
+def _open(url: str, height: int):
+    """Chromium with the notebook at ``url`` open and its kernel idle; yields the page and
+    closes the browser at the end."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -163,16 +163,19 @@ def _running(url: str, height: int):
             page = browser.new_page(viewport={"width": 1100, "height": height})
             page.goto(url, timeout=90_000)
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            page.wait_for_function(
-                "() => { const p = window.jupyterapp?.shell?.currentWidget;"
-                " return p?.sessionContext?.session?.kernel?.status === 'idle'; }",
-                timeout=90_000,
-            )
-            # Not awaited: the command's promise settles only when every cell has run.
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            _kernel_idle(page)
             yield page
         finally:
             browser.close()
+
+
+@contextlib.contextmanager
+def _running(url: str, height: int):
+    """:func:`_open`, then every cell started."""
+    with _open(url, height) as page:
+        # Not awaited: the command's promise settles only when every cell has run.
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        yield page
 
 
 def test_quickstart_in_jupyterlab_shows_both_ranks_done(jupyterlab, tmp_path):
@@ -337,102 +340,81 @@ def _kernel_idle(page, timeout_ms: int = 90_000) -> None:
     )
 
 
+def _last_step(log) -> int:
+    """The highest ``step N`` a view's log shows."""
+    return max(int(n) for n in re.findall(r"step (\d+)", log.inner_text()))
+
+
 def test_a_background_run_s_view_comes_back_after_a_page_reload(background_notebook, tmp_path):
     """Start a background run, run another cell meanwhile, reload the page (the outputs go, the
     kernel answers at once), show the view again in a new cell, see it move, stop it there."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     shots = [picture(f"background-{n}.png", tmp_path) for n in ("before-reload", "after-reload")]
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
+    with _open(background_notebook, height=1200) as page:
+        for index in (0, 1):
+            _run_cell(page, index)
+        ranks = page.locator(".nbl-root .nbl-ranks")
+        expect(ranks).to_contain_text("rank 1 · RUNNING", timeout=120_000)
+        _run_cell(page, 2)  # runs at once: the launch does not hold the kernel
+        # The cell's own result, not the run's view (whose lines may hold a "42" too).
+        answer = page.locator("[data-mime-type='text/plain']", has_text=re.compile(r"^42$"))
+        expect(answer).to_be_visible(timeout=30_000)
+        expect(ranks).to_contain_text("RUNNING")
+        page.wait_for_timeout(1500)
+        cell = page.locator(".jp-Cell", has=page.locator(".nbl-root"))
+        cell.locator(".jp-Cell-outputWrapper").screenshot(path=str(shots[0]))
+
+        page.reload()
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+        _kernel_idle(page, 30_000)  # not "busy" or "unknown": the run holds no cell
+        expect(page.locator(".nbl-root")).to_have_count(0)  # the old output is gone
+        _run_cell(page, 3)  # h.view()
+        view = page.locator(".nbl-root")
+        expect(view.locator(".nbl-ranks")).to_contain_text("RUNNING", timeout=30_000)
+        log = view.locator(".nbl-log:visible")
+        expect(log).to_contain_text("step 1", timeout=30_000)  # the history came back
+        expect(view.locator(".nbl-charts polyline").first).to_be_attached(timeout=30_000)
+
+        first = _last_step(log)
+        page.wait_for_timeout(2000)
+        assert _last_step(log) > first  # live: the view moves
+        page.locator(".jp-Cell", has=view).locator(".jp-Cell-outputWrapper").screenshot(
+            path=str(shots[1])
         )
-        try:
-            page = browser.new_page(viewport={"width": 1100, "height": 1200})
-            page.goto(background_notebook, timeout=90_000)
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            _kernel_idle(page)
-            for index in (0, 1):
-                _run_cell(page, index)
-            ranks = page.locator(".nbl-root .nbl-ranks")
-            expect(ranks).to_contain_text("rank 1 · RUNNING", timeout=120_000)
-            _run_cell(page, 2)  # runs at once: the launch does not hold the kernel
-            # The cell's own result, not the run's view (whose lines may hold a "42" too).
-            answer = page.locator("[data-mime-type='text/plain']", has_text=re.compile(r"^42$"))
-            expect(answer).to_be_visible(timeout=30_000)
-            expect(ranks).to_contain_text("RUNNING")
-            page.wait_for_timeout(1500)
-            cell = page.locator(".jp-Cell", has=page.locator(".nbl-root"))
-            cell.locator(".jp-Cell-outputWrapper").screenshot(path=str(shots[0]))
-
-            page.reload()
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            _kernel_idle(page, 30_000)  # not "busy" or "unknown": the run holds no cell
-            expect(page.locator(".nbl-root")).to_have_count(0)  # the old output is gone
-            _run_cell(page, 3)  # h.view()
-            view = page.locator(".nbl-root")
-            expect(view.locator(".nbl-ranks")).to_contain_text("RUNNING", timeout=30_000)
-            log = view.locator(".nbl-log:visible")
-            expect(log).to_contain_text("step 1", timeout=30_000)  # the history came back
-            expect(view.locator(".nbl-charts polyline").first).to_be_attached(timeout=30_000)
-
-            def last_step() -> int:
-                return max(int(n) for n in re.findall(r"step (\d+)", log.inner_text()))
-
-            first = last_step()
-            page.wait_for_timeout(2000)
-            assert last_step() > first  # live: the view moves
-            page.locator(".jp-Cell", has=view).locator(".jp-Cell-outputWrapper").screenshot(
-                path=str(shots[1])
-            )
-            view.locator("button", has_text="Stop").click()
-            expect(view.locator(".nbl-ranks")).to_contain_text("STOPPED", timeout=30_000)
-        finally:
-            browser.close()
+        view.locator("button", has_text="Stop").click()
+        expect(view.locator(".nbl-ranks")).to_contain_text("STOPPED", timeout=30_000)
     assert all(shot.stat().st_size > 5_000 for shot in shots)
 
 
 def test_a_newer_view_replaces_the_older_one_in_the_page(background_notebook, tmp_path):
     """The launch cell's live view, then ``h.view()`` in another cell without a reload: the
     older one stops, leaving its last state as static HTML under a note; the newer one moves."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1100, "height": 1600})
-            page.goto(background_notebook, timeout=90_000)
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            _kernel_idle(page)
-            for index in (0, 1):
-                _run_cell(page, index)
-            cells = page.locator(".jp-Notebook .jp-Cell")
-            first = cells.nth(1)
-            expect(first.locator(".nbl-ranks")).to_contain_text("RUNNING", timeout=120_000)
-            expect(first.locator("button", has_text="Stop")).to_be_visible()
-            _run_cell(page, 3)  # h.view()
-            newer = cells.nth(3)
-            expect(newer.locator(".nbl-ranks")).to_contain_text("RUNNING", timeout=30_000)
-            expect(first).to_contain_text("A newer view of this run replaced this one")
-            expect(first.locator("button", has_text="Stop")).to_have_count(0)  # no widgets
-            expect(first.locator(".nbl-ranks")).to_contain_text("rank 1")  # its last state
-            frozen = first.inner_text()
-            log = newer.locator(".nbl-log:visible")
-            expect(log).to_contain_text("step 1", timeout=30_000)
+    with _open(background_notebook, height=1600) as page:
+        for index in (0, 1):
+            _run_cell(page, index)
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        first = cells.nth(1)
+        expect(first.locator(".nbl-ranks")).to_contain_text("RUNNING", timeout=120_000)
+        expect(first.locator("button", has_text="Stop")).to_be_visible()
+        _run_cell(page, 3)  # h.view()
+        newer = cells.nth(3)
+        expect(newer.locator(".nbl-ranks")).to_contain_text("RUNNING", timeout=30_000)
+        expect(first).to_contain_text("A newer view of this run replaced this one")
+        expect(first.locator("button", has_text="Stop")).to_have_count(0)  # no widgets
+        expect(first.locator(".nbl-ranks")).to_contain_text("rank 1")  # its last state
+        frozen = first.inner_text()
+        log = newer.locator(".nbl-log:visible")
+        expect(log).to_contain_text("step 1", timeout=30_000)
 
-            def last_step() -> int:
-                return max(int(n) for n in re.findall(r"step (\d+)", log.inner_text()))
-
-            before = last_step()
-            page.wait_for_timeout(2000)
-            assert last_step() > before  # the newer view is live
-            assert first.inner_text() == frozen  # the older one is not
-            newer.locator("button", has_text="Stop").click()
-            expect(newer.locator(".nbl-ranks")).to_contain_text("STOPPED", timeout=30_000)
-        finally:
-            browser.close()
+        before = _last_step(log)
+        page.wait_for_timeout(2000)
+        assert _last_step(log) > before  # the newer view is live
+        assert first.inner_text() == frozen  # the older one is not
+        newer.locator("button", has_text="Stop").click()
+        expect(newer.locator(".nbl-ranks")).to_contain_text("STOPPED", timeout=30_000)
 
 
 def _many_ranks_cells(ranks: int) -> list[str]:
