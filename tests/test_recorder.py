@@ -7,6 +7,8 @@ recorder, which this machine cannot run, through a stand-in that gives the same 
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 import time
 
 import pytest
@@ -120,6 +122,33 @@ def test_ddps_all_reduce_after_an_nblaunch_call_is_named_as_ddps():
     assert f"rank 1 called gather at test_recorder.py:{line}" in message
     assert elapsed < 10, elapsed
     assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+
+
+def test_a_collective_torch_issued_is_placed_on_the_users_line_not_the_processs_command():
+    # A rank forked by the forkserver has `python -c` as its outermost frame: a look at the task's
+    # thread after it left the task once named DDP's all-reduce "<string>:1". Such a look is
+    # skipped, and the entries a failed task made last are placed on its error's line.
+    from nblaunch.ranks import recorder
+    from nblaunch.ranks.debug_mode import UNKNOWN
+
+    root = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from nblaunch.ranks.debug_mode import site_of; "
+         "print(site_of(sys._getframe()))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert root.stdout.strip() == UNKNOWN, root.stdout
+    assert recorder._site_after([(5, UNKNOWN), (7, "cell line 3")], 4) == "cell line 3"
+    assert recorder._site_after([(5, "cell line 2"), (7, "cell line 3")], 6) == "cell line 3"
+
+    def backward():
+        raise RuntimeError("gloo: connection closed by peer")
+
+    try:
+        backward()
+    except RuntimeError as error:
+        line = line_of(backward, "raise RuntimeError")
+        assert recorder._error_site(error) == f"test_recorder.py:{line}"
 
 
 def test_with_the_recorder_off_the_header_says_what_is_not_checked(monkeypatch):

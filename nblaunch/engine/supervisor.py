@@ -48,6 +48,9 @@ FORKSERVER_PRELOAD = [
     "nblaunch.ranks.default_group",
     "nblaunch.pickling",
     "nblaunch.ranks.cell",  # what a %%distributed cell unpickles into (5 ms to import)
+    # What a rank's first optimizer imports (torch.optim's constructor imports torch._dynamo):
+    # 1 s per rank of every training launch otherwise.
+    "torch._dynamo",
     *RANK_FEATURES,
 ]
 

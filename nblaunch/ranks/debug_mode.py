@@ -42,6 +42,7 @@ _CELL_FILE = re.compile(r"(ipykernel_\d+[/\\]\d+\.py$)|(^<ipython-input-\d+-)")
 # nblaunch's own frames, in any of its packages.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+UNKNOWN = "unknown location"  # a call site where no frame is the user's
 _skipped_dirs: tuple[str, ...] | None = None  # the above and torch's, once torch is imported
 _Tensor: Any = None  # torch.Tensor, once a collective was checked
 _dtype_names: dict[Any, str] = {}  # str() of each dtype seen: every checked tensor names one
@@ -141,7 +142,10 @@ def site_of(frame: Any) -> str:
         _skipped_dirs = (_PACKAGE_DIR, torch_dir, _STDLIB_DIR)
     while frame is not None:
         code = frame.f_code
-        if not code.co_filename.startswith(_skipped_dirs):
+        # (a forked rank's outermost frame is the forkserver's `python -c` command: no user's)
+        if not code.co_filename.startswith(_skipped_dirs) and not (
+            frame.f_back is None and code.co_filename == "<string>"
+        ):
             # By the code's id, kept alive by the entry: hashing a code object hashes its
             # constants (1.6 µs for a 300-line module's).
             line = frame.f_lineno
@@ -152,7 +156,7 @@ def site_of(frame: Any) -> str:
                 entry = _sites[(id(code), line)] = (code, _site_name(code.co_filename, line))
             return entry[1]
         frame = frame.f_back
-    return "unknown location"
+    return UNKNOWN
 
 
 def _site_name(filename: str, line: int) -> str:

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from nblaunch.ranks import fingerprints, process_groups, this_rank
+from nblaunch.ranks.debug_mode import UNKNOWN
 from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, RECORDED
 
 # How often the thread looks at the groups' counts (a few µs), and when it reads the new entries:
@@ -121,6 +122,9 @@ class RecorderReader:
         self.counts_seen: Any = None  # the counts at the last look
         # (when, the task thread's line) at each look that saw a count move, since the last read
         self.sites: list[tuple[int, str]] = []
+        # Set when the task raised: its line is where the thread was when its last entries were
+        # made (by then the thread has left the task; see ``reading``).
+        self.final_site: str | None = None
         self._size = recorder_size() or process_groups.FLIGHT_RECORDER_ENTRIES
         self._known: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _facts
         self._dumps = _dump_functions()
@@ -141,13 +145,16 @@ class RecorderReader:
                 self.newest = max(self.newest, int(entry.get("record_id", -1)))
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the thread; read what the task issued last (its final calls)."""
+    def stop(self, error: BaseException | None = None) -> None:
+        """Stop the thread; read what the task issued last (its final calls). ``error``: what
+        the task raised, whose line the entries not yet placed were made under."""
         self._stop.set()
         self._resumed.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
         if not self._thread.is_alive():  # never two readers sending at once
+            if error is not None:
+                self.final_site = _error_site(error)
             with contextlib.suppress(Exception):
                 self.read()
 
@@ -183,7 +190,8 @@ class RecorderReader:
         if counts != self.counts_seen:  # a count moved since the last look
             self.counts_seen = counts
             # Where the task's thread is now: the line of what torch issued since then.
-            self.sites.append((time.time_ns(), _task_site(self.target)))
+            site = self.final_site or _task_site(self.target)
+            self.sites.append((time.time_ns(), site))
             issued, self.issued_seen = _issued(counts), self.issued_now
             self.issued_now = issued
         if counts == self.counts:
@@ -323,11 +331,12 @@ class _Claims:
 
 
 def _site_after(sites: list[tuple[int, str]], created: int) -> str:
-    """The line the task's thread was on at the first look after ``created`` (ns)."""
+    """The user's line the task's thread was on at the first look after ``created`` (ns) that
+    found it on one (a look as the task ends may find it outside the task's code)."""
     for when, site in sites:
-        if when >= created:
+        if when >= created and site != UNKNOWN:
             return site
-    return sites[-1][1] if sites else "unknown location"
+    return sites[-1][1] if sites else UNKNOWN
 
 
 def _issued(counts: Any) -> int:
@@ -376,9 +385,21 @@ def _task_site(target: int) -> str:
 
     frame = sys._current_frames().get(target)
     try:
-        return site_of(frame) if frame is not None else "unknown location"
+        return site_of(frame) if frame is not None else UNKNOWN
     finally:
         del frame
+
+
+def _error_site(error: BaseException) -> str:
+    """The user's line an exception was raised under (its traceback's innermost one)."""
+    from nblaunch.ranks.debug_mode import site_of
+
+    tb = error.__traceback__
+    if tb is None:
+        return UNKNOWN
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return site_of(tb.tb_frame)
 
 
 @contextlib.contextmanager
@@ -390,11 +411,15 @@ def reading(outbox: fingerprints.Outbox | None) -> Any:
     global _reader
     reader = _reader = RecorderReader(outbox)
     reader.start()
+    error = None
     try:
         yield reader
+    except BaseException as raised:
+        error = raised
+        raise
     finally:
         _reader = None
-        reader.stop()
+        reader.stop(error)
 
 
 _reader: RecorderReader | None = None
