@@ -123,7 +123,9 @@ def alternating_blocks(
     timed in blocks of ``block`` steps that alternate between checked and unchecked (A B B A:
     each kind as often first), ``blocks`` of each. Unchecked is what ``debug=False`` runs:
     torch's own functions, nothing sent, and a DDP model made without the checks' comm hook
-    (same weights). Returns each block's wall and CPU seconds per step, by kind."""
+    (same weights). Returns each block's wall, CPU (the process's) and the task thread's CPU
+    seconds per step, by kind; and under ``"reads"`` the flight recorder's reads in the checked
+    blocks (how many, their seconds) and its thread's CPU seconds per checked step."""
     import contextlib
     import time
 
@@ -181,27 +183,44 @@ def alternating_blocks(
         for _ in range(n):
             ddp_step(model, optimizer, inputs, targets, loss_fn)
 
-    times: dict[str, list[tuple[float, float]]] = {"checked": [], "unchecked": []}
+    times: dict[str, list[tuple[float, ...]]] = {"checked": [], "unchecked": []}
+    # The reader thread's own CPU clock: what it costs, apart from the noise of the process's
+    # other threads (gloo's) and of the machine.
+    reader_clock = (
+        time.pthread_getcpuclockid(reader._thread.ident)
+        if reader is not None and reader._thread.ident is not None
+        else None
+    )
+    reader_cpu = 0.0
     for i in range(2 * blocks + 4):  # the first four warm up each model
         kind = "checked" if i % 4 in (0, 3) else "unchecked"
         with contextlib.nullcontext() if kind == "checked" else unchecked():
             dist.barrier()
             synchronize()
-            started, cpu = time.perf_counter(), time.process_time()
+            started, cpu, task = time.perf_counter(), time.process_time(), time.thread_time()
+            before = time.clock_gettime(reader_clock) if reader_clock is not None else 0.0
             steps(kind, block, i // 2)
             synchronize()
-            elapsed = (time.perf_counter() - started) / block, (time.process_time() - cpu) / block
+            elapsed = (
+                (time.perf_counter() - started) / block,
+                (time.process_time() - cpu) / block,
+                (time.thread_time() - task) / block,
+            )
+            if i >= 4 and kind == "checked" and reader_clock is not None:
+                reader_cpu += time.clock_gettime(reader_clock) - before
         if i >= 4:
             times[kind].append(elapsed)
-    if reader is not None:  # the recorder's reads: how many, and their mean cost
-        times["reads"] = [(reader.reads, reader.read_s)]
+    if reader is not None:  # the recorder's reads: how many, their cost, its thread's CPU
+        times["reads"] = [(reader.reads, reader.read_s, reader_cpu / (blocks * block))]
     return times
 
 
-def run_alternating() -> tuple[float, float, float, float]:
+def run_alternating() -> tuple[float, float, float, float, float]:
     """One launch of ``alternating_blocks``: checked over unchecked, the slowest rank's median
     block (wall), and both ranks' median blocks summed (CPU); the flight recorder's reads,
-    mean ms per read and ms per checked step (both ranks' mean; 0 where it did not read)."""
+    mean ms per read and ms per checked step (both ranks' mean; 0 where it did not read); and
+    the checks' own threads: the task thread's CPU plus the reader thread's, checked, over the
+    task thread's unchecked (both ranks summed)."""
     per_rank = nblaunch.notebook_launcher(
         alternating_blocks, (BLOCKS, BLOCK), num_processes=2, device_type="cpu", display="none"
     )
@@ -212,9 +231,11 @@ def run_alternating() -> tuple[float, float, float, float]:
     wall = max(median("checked", 0)) / max(median("unchecked", 0))
     cpu = sum(median("checked", 1)) / sum(median("unchecked", 1))
     reads = [rank["reads"][0] for rank in per_rank if rank.get("reads")]
-    per_read = statistics.mean(t / n for n, t in reads if n) * 1e3 if reads else 0.0
-    per_step = statistics.mean(t for _, t in reads) / ((BLOCKS + 2) * BLOCK) * 1e3 if reads else 0.0
-    return wall, cpu, per_read, per_step
+    per_read = statistics.mean(r[1] / r[0] for r in reads if r[0]) * 1e3 if reads else 0.0
+    per_step = statistics.mean(r[1] for r in reads) / ((BLOCKS + 2) * BLOCK) * 1e3 if reads else 0.0
+    reader = sum(r[2] for r in reads)
+    threads = (sum(median("checked", 2)) + reader) / sum(median("unchecked", 2))
+    return wall, cpu, per_read, per_step, threads
 
 
 # What each mode passes as notebook_launcher(debug=...).
@@ -305,17 +326,24 @@ def main(rounds: int = ROUNDS) -> None:
     print(
         f"\nThe same ranks in one launch, {BLOCKS} blocks of {BLOCK} steps checked and "
         f"{BLOCKS} unchecked, alternating (checked: the default checks; unchecked: as "
-        "debug=False). Ratio of the median blocks, median and range over rounds.\n"
+        "debug=False). Ratio of the median blocks, median and range over rounds. Threads: "
+        "the task thread's CPU plus the recorder reader's, checked, over the task thread's "
+        "unchecked (each thread's own clock: gloo's threads and the machine's noise left out; "
+        "the launcher's comparing is not in it).\n"
     )
     print(
         "| one launch per round | wall, checked vs. unchecked | CPU, checked vs. unchecked "
-        "| recorder: ms per read | recorder: ms per checked step |"
+        "| threads, checked vs. unchecked | recorder: ms per read | recorder: ms per checked step |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     walls, cpus = _ratios([a[0] for a in alternating]), _ratios([a[1] for a in alternating])
+    threads = _ratios([a[4] for a in alternating])
     per_read = statistics.median(a[2] for a in alternating)
     per_step = statistics.median(a[3] for a in alternating)
-    print(f"| nblaunch, default checks | {walls} | {cpus} | {per_read:.3f} | {per_step:.4f} |")
+    print(
+        f"| nblaunch, default checks | {walls} | {cpus} | {threads} | {per_read:.3f} "
+        f"| {per_step:.4f} |"
+    )
     sys.stdout.flush()
 
 

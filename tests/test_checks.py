@@ -318,8 +318,9 @@ def test_bench_debugs_alternating_launch_times_both_kinds():
         assert sorted(times) == ["checked", "reads", "unchecked"]
         for kind in ("checked", "unchecked"):
             assert len(times[kind]) == 2 and min(min(b) for b in times[kind]) > 0
-        ((reads, read_s),) = times["reads"]  # the flight recorder's reads, in checked blocks
-        assert reads >= 0 and read_s >= 0
+        # the flight recorder's reads in checked blocks, and its thread's CPU per checked step
+        ((reads, read_s, reader_cpu),) = times["reads"]
+        assert reads >= 0 and read_s >= 0 and reader_cpu >= 0
 
 
 # --- the monitor alone ----------------------------------------------------------------------------

@@ -289,6 +289,7 @@ def test_gpu_benchs_dry_run_prints_every_measure():
     assert names == [
         "launch: first, then warm (spare ranks, their device context made ahead)",
         "launch: warm, spares let go (device environment changed since they warmed up)",
+        "launch: warm, a DDP model, AdamW and one step",
         "default checks on a DDP step, checked vs unchecked blocks in one launch",
         "flight recorder: one full read / one look at the counts",
         "a real out-of-memory retried down to a batch that fits",
