@@ -166,7 +166,8 @@ def test_a_detached_run_survives_a_killed_kernel_and_a_new_kernel_gets_its_lines
 def test_in_a_kernel_other_cells_run_while_a_background_run_goes_on(kernel):
     kernel.run(STEPS_CELL + "nblaunch.notebook_launcher(steps, (1, 0.0), 2, display='none')")
     launch = kernel.run("h = nblaunch.notebook_launcher(steps, (40, 0.1), 2, block=False)")
-    assert launch["error"] is None and launch["seconds"] < 2.0, launch
+    # well before the run's 4 s end (2.42 s once at load average 5 to 35, where 2 s was allowed)
+    assert launch["error"] is None and launch["seconds"] < 3.0, launch
     # This cell runs while the ranks do: rank 0's log grows during it.
     during = kernel.run(
         "log = h.run_dir / 'rank0.log'\n"
