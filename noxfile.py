@@ -146,7 +146,14 @@ def _record(
 
 
 def _remove_venv(session: nox.Session) -> None:
+    location = getattr(session.virtualenv, "location", None)
+    if not location:
+        return
+    # The test report (each test's time and failure) outlives the venv: .nox/junit/<cell>.xml
+    junit = Path(location) / "junit.xml"
+    if junit.exists():
+        kept = Path(".nox/junit") / f"{Path(location).name}.xml"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(junit, kept)
     if os.environ.get("NBLAUNCH_MATRIX_KEEP_VENVS") != "1":
-        location = getattr(session.virtualenv, "location", None)
-        if location:
-            shutil.rmtree(location, ignore_errors=True)
+        shutil.rmtree(location, ignore_errors=True)
