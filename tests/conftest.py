@@ -40,6 +40,18 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
     return bool(predicate())
 
 
+def skip_unless_accelerates_test_ops_runs_on_cpu() -> None:
+    """Skip where Accelerate's own ``test_ops`` cannot run distributed on CPU ranks: before 1.16
+    it makes ``PartialState()`` without ``cpu=``, which on a machine without GPUs is
+    ``DistributedType.NO`` under any launcher (``accelerate launch --cpu`` too, checked with
+    1.15.0, the newest for Python 3.10)."""
+    accelerate = pytest.importorskip("accelerate")
+    from packaging.version import Version
+
+    if Version(accelerate.__version__) < Version("1.16"):
+        pytest.skip(f"Accelerate {accelerate.__version__}'s test_ops runs undistributed on CPU")
+
+
 def helper_pids() -> set[int]:
     """PIDs of multiprocessing's long-lived helpers here: forkserver, resource tracker."""
     from multiprocessing import forkserver, resource_tracker

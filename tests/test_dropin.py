@@ -24,6 +24,7 @@ import nblaunch
 from nblaunch import notebook_launcher
 from nblaunch.engine.plan import plan_launch
 from nblaunch.options import LaunchOptions
+from tests.conftest import skip_unless_accelerates_test_ops_runs_on_cpu
 
 
 def launch(function, args=(), n=2, **kwargs):
@@ -234,7 +235,7 @@ def test_cpu_ranks_tell_accelerate_to_use_the_cpu_unless_the_caller_said_otherwi
 
 
 def test_accelerates_own_test_ops_pass_under_nblaunchs_debug_launcher(monkeypatch, capsys):
-    pytest.importorskip("accelerate")
+    skip_unless_accelerates_test_ops_runs_on_cpu()
     from accelerate.test_utils.scripts import test_ops
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
