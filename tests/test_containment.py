@@ -132,6 +132,30 @@ def test_a_killed_forkserver_is_named_and_its_orphaned_ranks_end_with_the_run(tm
     assert notebook_launcher(os.getpid, (), 2, display="none")[0] not in ranks
 
 
+def test_a_forkserver_that_dies_as_a_launch_reaches_it_is_replaced(monkeypatch):
+    """An interrupt of a kernel reaches its process group, the forkserver too while it still
+    imports torch (it ignores SIGINT only after): the launch that finds it alive and then
+    cannot connect (refused, or the connection closed) starts a new one."""
+    from multiprocessing import forkserver
+
+    notebook_launcher(lambda: None, (), 2, display="none")  # the forkserver is up
+    server_pid = forkserver._forkserver._forkserver_pid
+    os.kill(server_pid, signal.SIGKILL)
+    assert wait_until(lambda: psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE, 5)
+    waitpid = os.waitpid
+    looked = []
+
+    def still_alive_once(pid, options):  # the launch looks before the end is known
+        if pid == server_pid and not looked:
+            looked.append(pid)
+            return 0, 0
+        return waitpid(pid, options)
+
+    monkeypatch.setattr(os, "waitpid", still_alive_once)
+    assert notebook_launcher(os.getpid, (), 2, display="none")[0] != server_pid
+    assert looked and forkserver._forkserver._forkserver_pid != server_pid
+
+
 def test_a_thread_left_running_does_not_keep_a_finished_rank_alive():
     pids = notebook_launcher(leave_a_thread_running, (), 2, device_type="cpu", display="none")
     # The launch returned; Python's exit would wait 120 s for the thread: the rank goes anyway.

@@ -74,6 +74,26 @@ def warm_up(start_method: str = "forkserver") -> None:
         forkserver.ensure_running()
 
 
+def _forkserver_died(wait_s: float = 5.0) -> bool:
+    """Whether multiprocessing's forkserver has ended (waiting up to ``wait_s`` for one that is
+    ending); left unreaped, so that the next start sees it gone and starts another."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.Error:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
 def warm_up_if_interactive() -> None:
     """In a notebook or IPython session, start the forkserver in the background (see
     :func:`warm_up`), so the first launch does not wait for torch to be imported.
@@ -226,7 +246,15 @@ class Supervisor:
         )
         try:
             with main_module_hidden():
-                process.start()
+                try:
+                    process.start()
+                except (ConnectionError, EOFError):
+                    if self.start_method != "forkserver" or not _forkserver_died():
+                        raise
+                    # It died as it started (an interrupt of the notebook reaches the kernel's
+                    # process group, the forkserver too, before it ignores SIGINT): once more,
+                    # with a new one.
+                    process.start()
         except OSError as exc:
             if "AF_UNIX path too long" not in str(exc):
                 raise
