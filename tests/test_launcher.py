@@ -247,12 +247,13 @@ def test_progress_bars_in_the_widget_keep_each_last_state_once(monkeypatch, tmp_
         bars = [line for line in lines if "it/s]" in line]
         assert [bar.split("|")[-1].split()[0] for bar in bars] == ["5/5", "0/6", "6/6"], lines
         others = [line for line in lines if "it/s]" not in line and not _gloo_log(line)]
-        assert others == [
+        # "next" (stdout) and "warning" (stderr, 0.1 s later) come down two pipes: a relay that
+        # a loaded machine held up for longer reads both at once, in either order.
+        assert sorted(others[:2]) == [
             f"[transformers] next {rank}",
             f"[transformers] warning {rank}",
-            f"{{'loss': 0.{rank}}}",
-            f"after leave=False {rank}",
         ]
+        assert others[2:] == [f"{{'loss': 0.{rank}}}", f"after leave=False {rank}"]
         assert lines.index(f"{{'loss': 0.{rank}}}") < lines.index(bars[-1])  # bar below it
     # The two ranks' bars interleave in the All ranks tab without mixing.
     everything = [(line[0], line[2]) for line in view.model.all_lines if not _gloo_log(line[2])]
