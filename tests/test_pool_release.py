@@ -184,15 +184,18 @@ def test_a_peer_in_ddps_backward_is_released_once_the_model_took_its_first_step(
 
 def rank_one_waits_in_recv():
     import datetime
+    import time
 
     import torch
     import torch.distributed as dist
 
-    # Rank 0 raises once rank 1 is (all but) in its recv: a rank 1 still on its way there is
-    # released by the interrupt, and the pool needs no restart.
+    # Rank 0 raises once rank 1 is in its recv: a rank 1 still on its way there is released by
+    # the interrupt, and the pool needs no restart. The key comes just before the recv; the
+    # half second after it covers a loaded machine (the 3.13 + torch 2.14.1 cell's run, once).
     store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 0:
         store.wait(["rank 1 in recv"], datetime.timedelta(seconds=30))
+        time.sleep(0.5)
         raise ValueError("rank 0 leaves the recv")
     store.set("rank 1 in recv", "1")
     dist.recv(torch.ones(1), src=0)
