@@ -248,6 +248,42 @@ def test_sigint_between_tasks_does_not_end_a_rank(pool):
     assert pool.run(os.getpid) == pool.pids
 
 
+def slow_set_up_on_rank_0():
+    """From now on rank 0 takes a second to set up each task (its hooks), as a loaded machine
+    can make it."""
+    from nblaunch.ranks import this_rank
+
+    if nblaunch.rank() == 0:
+        this_rank.add_task_hook(lambda context: _sleeping(1.0))
+
+
+def _sleeping(seconds: float):
+    import contextlib
+
+    time.sleep(seconds)
+    return contextlib.nullcontext()
+
+
+def fail_on_rank_1_while_rank_0_waits():
+    if nblaunch.rank() == 1:
+        raise ValueError("rank 1 fails at once")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # for rank 1, which never comes: only an interrupt ends it
+        time.sleep(0.01)
+
+
+def test_a_peer_stopped_while_it_still_sets_its_task_up_stops_as_its_code_starts(pool):
+    # Rank 1 fails before rank 0's task code starts: the pool's interrupt reached rank 0 in its
+    # set-up, and was ignored there (the pool restarted after 3 s, "did not stop" on 3.10).
+    pool.run(slow_set_up_on_rank_0)
+    old_pids = pool.pids
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="rank 1 fails at once"):
+        pool.run(fail_on_rank_1_while_rank_0_waits)
+    assert time.monotonic() - began < 1.0 + INTERRUPT_WAIT_S
+    assert pool.state is PoolState.IDLE and pool.restarts == 0 and pool.pids == old_pids
+
+
 def test_an_interrupt_while_a_peer_waits_in_a_collective_keeps_the_names(pool):
     # Rank 0 sleeps (the interrupt stops it); rank 1 waits in all_reduce, where no signal
     # reaches it: rank 0 issues the all_reduce it owes, and rank 1 stops there too.

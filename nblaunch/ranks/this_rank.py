@@ -41,6 +41,8 @@ _context: RankContext | None = None
 _in_task = False  # user code of a task is running: SIGINT raises KeyboardInterrupt
 _deferring = 0  # inside interrupts_deferred() (nested): SIGINT waits for the block's end
 _interrupt_waits = False  # an interrupt came inside interrupts_deferred()
+_task_arrived = False  # a task came and is being set up (hooks, its group, unpickling)
+_interrupted_early = False  # an interrupt came then: the task's code starts by raising it
 _channel: Channel | None = None
 # Hooks other modules register to run around each task (debug patches, heartbeats, logging).
 _task_hooks: list[Callable[[RankContext], contextlib.AbstractContextManager[Any]]] = []
@@ -117,12 +119,29 @@ def task_hooks() -> list[Callable[[RankContext], contextlib.AbstractContextManag
 
 
 @contextlib.contextmanager
+def task_arrived() -> Iterator[None]:
+    """A task came and is set up inside: an interrupt meanwhile (the launcher stops a task's
+    ranks as soon as one fails, which may be before this rank reached its code) is raised
+    when the task's code starts, not lost."""
+    global _task_arrived, _interrupted_early
+    _interrupted_early = False
+    _task_arrived = True
+    try:
+        yield
+    finally:
+        _task_arrived = _interrupted_early = False
+
+
+@contextlib.contextmanager
 def user_code() -> Iterator[None]:
     """The task's own code runs inside: an interrupt raises ``KeyboardInterrupt`` there."""
-    global _in_task, _interrupt_waits
+    global _in_task, _interrupt_waits, _interrupted_early
     _interrupt_waits = False
     _in_task = True
     try:
+        if _interrupted_early:
+            _interrupted_early = False
+            raise KeyboardInterrupt
         yield
     finally:
         _in_task = False
@@ -134,12 +153,14 @@ def on_sigint(signum: int, frame: Any) -> None:
     Outside user code a KeyboardInterrupt could land in the middle of a message to the parent
     and break the pipe protocol, or end a pool rank that waits for its next task.
     """
-    global _interrupt_waits
+    global _interrupt_waits, _interrupted_early
     if _in_task:
         if _deferring:
             _interrupt_waits = True
             return
         raise KeyboardInterrupt
+    if _task_arrived:
+        _interrupted_early = True
 
 
 @contextlib.contextmanager

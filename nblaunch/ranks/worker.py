@@ -291,7 +291,7 @@ def _run_task(message: dict[str, Any]) -> None:
     rank = context.rank
     context.task_id = message.get("task_id", 0)
     try:
-        with contextlib.ExitStack() as hooks:
+        with this_rank.task_arrived(), contextlib.ExitStack() as hooks:
             for hook in this_rank.task_hooks():
                 hooks.enter_context(hook(context))
             if message.get("all_ranks", True):  # only every rank at once can make a group
