@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import os
 import queue
+import signal
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,15 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell without job control starts its background jobs with SIGINT ignored (POSIX), and
+    # Python then leaves it ignored: every interrupt a test sends would be a no-op (a matrix
+    # run started that way failed the launcher's interrupt test after its 60 s). A notebook's
+    # kernel always takes SIGINT; so do the tests.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def skip_unless_accelerates_test_ops_runs_on_cpu() -> None:
