@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from nblaunch.ranks import fingerprints, process_groups, this_rank
-from nblaunch.ranks.debug_mode import UNKNOWN
+from nblaunch.ranks.debug_mode import UNKNOWN, site_of
 from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, RECORDED
 
 # How often the thread looks at the groups' counts (a few µs), and when it reads the new entries:
@@ -381,8 +381,6 @@ _ddp_groups: set[str] | None = None
 def _task_site(target: int) -> str:
     """The user's line the task's thread is on now (what a collective torch issued from C++ was
     issued under, when the rank still waits in it)."""
-    from nblaunch.ranks.debug_mode import site_of
-
     frame = sys._current_frames().get(target)
     try:
         return site_of(frame) if frame is not None else UNKNOWN
@@ -392,8 +390,6 @@ def _task_site(target: int) -> str:
 
 def _error_site(error: BaseException) -> str:
     """The user's line an exception was raised under (its traceback's innermost one)."""
-    from nblaunch.ranks.debug_mode import site_of
-
     tb = error.__traceback__
     if tb is None:
         return UNKNOWN
