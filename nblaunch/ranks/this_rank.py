@@ -148,7 +148,8 @@ def user_code() -> Iterator[None]:
 
 
 def on_sigint(signum: int, frame: Any) -> None:
-    """SIGINT interrupts the running task; between tasks it is ignored.
+    """SIGINT interrupts the running task (one still being set up as its code starts); between
+    tasks it is ignored.
 
     Outside user code a KeyboardInterrupt could land in the middle of a message to the parent
     and break the pipe protocol, or end a pool rank that waits for its next task.
