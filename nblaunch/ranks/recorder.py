@@ -122,9 +122,6 @@ class RecorderReader:
         self.counts_seen: Any = None  # the counts at the last look
         # (when, the task thread's line) at each look that saw a count move, since the last read
         self.sites: list[tuple[int, str]] = []
-        # Set when the task raised: its line is where the thread was when its last entries were
-        # made (by then the thread has left the task; see ``reading``).
-        self.final_site: str | None = None
         self._size = recorder_size() or process_groups.FLIGHT_RECORDER_ENTRIES
         self._known: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _facts
         self._dumps = _dump_functions()
@@ -153,8 +150,8 @@ class RecorderReader:
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
         if not self._thread.is_alive():  # never two readers sending at once
-            if error is not None:
-                self.final_site = _error_site(error)
+            if error is not None:  # the thread has left the task: its error's line is a look
+                self.sites.append((time.time_ns(), _error_site(error)))  # after all it made
             with contextlib.suppress(Exception):
                 self.read()
 
@@ -190,8 +187,7 @@ class RecorderReader:
         if counts != self.counts_seen:  # a count moved since the last look
             self.counts_seen = counts
             # Where the task's thread is now: the line of what torch issued since then.
-            site = self.final_site or _task_site(self.target)
-            self.sites.append((time.time_ns(), site))
+            self.sites.append((time.time_ns(), _task_site(self.target)))
             issued, self.issued_seen = _issued(counts), self.issued_now
             self.issued_now = issued
         if counts == self.counts:
