@@ -48,10 +48,10 @@ FORKSERVER_PRELOAD = [
     "nblaunch.ranks.default_group",
     "nblaunch.pickling",
     "nblaunch.ranks.cell",  # what a %%distributed cell unpickles into (5 ms to import)
-    # What a rank's first optimizer imports (torch.optim's constructor imports torch._dynamo):
-    # 1 s per rank of every training launch otherwise.
-    "torch._dynamo",
     *RANK_FEATURES,
+    # Not imported before serving: it makes the server import torch._dynamo (which a rank's
+    # first optimizer imports: 1 s per rank) while no launch waits on it.
+    "nblaunch.engine.forkserver_idle",
 ]
 
 
