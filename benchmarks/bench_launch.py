@@ -9,6 +9,9 @@ Workloads
 - raise: rank 1 raises ``ValueError("boom on rank 1")`` while rank 0 waits in an all_reduce;
   we time from the call to the exception in the caller and check that the caller's error names
   rank 1's ValueError ("boom"), over 20 runs.
+- train: 2 CPU ranks make a DDP model (Accelerate: ``prepare``) and AdamW and take one step;
+  launches ``TRAIN_PAUSE_S`` apart, as cells are. A rank's first optimizer imports
+  ``torch._dynamo`` (1 s of CPU) unless the process it was forked from has it.
 - big parent: the same hello world with the parent holding a 4 GB tensor, as a notebook kernel
   often does: fork must copy the parent's page tables, a forkserver does not.
 - first launch in a kernel: a real Jupyter kernel runs the import cell (``import torch,
@@ -34,6 +37,7 @@ RAISE_RUNS = 20
 BIG_PARENT_GB = 4
 KERNEL_PAUSE_S = 2.0
 KERNEL_RUNS = 3  # fresh kernels per launcher
+TRAIN_PAUSE_S = 1.0
 
 HELLO_CELL = """
 import torch, nblaunch
@@ -128,6 +132,22 @@ def accelerate_raise():
         raise ValueError("boom on rank 1")
     accelerator.reduce(torch.ones(1))
 
+def ddp_train():
+    import torch
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+
+def accelerate_train():
+    import torch
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(8, 8)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    accelerator.backward(model(torch.randn(4, 8)).sum())
+    optimizer.step()
+
 def quiet(fn):
     # keep the launchers' own output out of the table
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -167,6 +187,19 @@ if __name__ == "__main__":  # spawned children import this file again
             quiet(lambda: accelerate_launcher(accelerate_hello, (), num_processes=2,
                                               use_port=str(free_port())))
             times.append(time.perf_counter() - t0)
+    elif scenario in ("train-nblaunch", "train-accelerate"):
+        for i in range(repeats):
+            if i:
+                time.sleep(float(os.environ["TRAIN_PAUSE_S"]))
+            t0 = time.perf_counter()
+            if scenario == "train-nblaunch":
+                from nblaunch import notebook_launcher
+                notebook_launcher(ddp_train, (), 2, device_type="cpu", display="none")
+            else:
+                from accelerate import notebook_launcher as accelerate_launcher
+                quiet(lambda: accelerate_launcher(accelerate_train, (), num_processes=2,
+                                                  use_port=str(free_port())))
+            times.append(time.perf_counter() - t0)
     elif scenario in ("raise-nblaunch", "raise-accelerate"):
         right = 0
         for _ in range(repeats):
@@ -189,7 +222,7 @@ if __name__ == "__main__":  # spawned children import this file again
 
 
 def run_scenario(name: str, repeats: int, timeout: float = 600) -> dict:
-    env = {**os.environ, "BIG_PARENT_GB": str(BIG_PARENT_GB)}
+    env = {**os.environ, "BIG_PARENT_GB": str(BIG_PARENT_GB), "TRAIN_PAUSE_S": str(TRAIN_PAUSE_S)}
     script = Path(tempfile.gettempdir()) / "nblaunch_bench_launch_scenario.py"
     script.write_text(SCENARIO_CODE)
     done = subprocess.run(
@@ -266,6 +299,23 @@ def main() -> None:
     print("|---|---:|---:|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+
+    print(
+        f"\n## A training launch: 2 CPU ranks, DDP (Accelerate: prepare), AdamW, one step; "
+        f"launches {TRAIN_PAUSE_S:g} s apart\n"
+    )
+    print("| launcher | first launch (s) | second launch (s) | later launches, median (s) |")
+    print("|---|---:|---:|---:|")
+    for label, scenario in (
+        ("nblaunch forkserver (default)", "train-nblaunch"),
+        ("Accelerate notebook_launcher", "train-accelerate"),
+    ):
+        result = run_scenario(scenario, REPEATS + 1)
+        if "error" in result:
+            print(f"| {label} | error | {result['error']} | |")
+            continue
+        first, second, *later = result["times"]
+        print(f"| {label} | {fmt(first)} | {fmt(second)} | {fmt(statistics.median(later))} |")
 
     print(f"\n## rank 1 raises ValueError('boom on rank 1'), {RAISE_RUNS} runs\n")
     print("| launcher | median time to the exception (s) | root cause right |")
