@@ -103,8 +103,9 @@ def _install_torch(session: nox.Session, torch: str, build: str) -> None:
     """Install the one torch build, ignoring the pip config (its local wheels and mirrors)."""
     env = {"PIP_CONFIG_FILE": os.devnull}
     if build == "cpu":
-        # PyTorch's CPU index, and local CPU wheels where the machine has some.
-        session.install(f"torch=={torch}+cpu", "--index-url", CPU_INDEX, "--retries", "1",
+        # PyTorch's CPU index, and local CPU wheels where the machine has some; torch's own
+        # requirements from PyPI (only a "+cpu" wheel satisfies torch==X+cpu), as `make` does.
+        session.install(f"torch=={torch}+cpu", "--extra-index-url", CPU_INDEX, "--retries", "1",
                         "--timeout", "30", env=env)  # fmt: skip
     else:
         # PyPI only: a local "+cpu" wheel would satisfy torch==X too.
