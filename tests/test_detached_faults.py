@@ -160,9 +160,8 @@ def test_a_held_outcome_is_written_once_the_disk_has_room_and_the_host_ends(
     # disk is a race (under load rank 0's log may hold nothing to free).
     for rank in (0, 1):
         (handle.run_dir / f"rank{rank}.log").unlink()
-    assert wait_until(lambda: not processes_of(entry.pid), 30), (
-        handle.run_dir / "host.log"
-    ).read_text()
+    host_log = handle.run_dir / "host.log"
+    assert wait_until(lambda: not processes_of(entry.pid), 30), host_log.read_text()
     assert nblaunch.attach(handle.id).state == "done"
     assert attached.AttachedRun(entry).values() == [100, 101]  # from result.pkl now
 

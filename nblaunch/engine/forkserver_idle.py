@@ -54,9 +54,8 @@ def install(modules: tuple[str, ...] = IDLE_IMPORTS, quiet_s: float = QUIET_S) -
                 ready = super().select(quiet_s)
                 if ready:
                     return ready
-                with contextlib.suppress(
-                    Exception
-                ):  # one that fails is imported by whoever needs it
+                # A piece that fails is left to whoever needs it.
+                with contextlib.suppress(Exception):
                     importlib.import_module(pending.pop(0))
             if selectors.DefaultSelector is IdleImportingSelector:
                 selectors.DefaultSelector = original  # ranks forked from now on see torch's own
