@@ -62,6 +62,18 @@ def test_a_detached_run_is_private_returns_its_values_and_leaves_nothing(registr
     assert "step 9" in (handle.run_dir / "rank1.log").read_text()
 
 
+def test_a_run_directory_deeper_than_a_unix_socket_path_detaches_too(registry, monkeypatch):
+    """A Unix socket's path holds 108 bytes: a deep run directory's socket is reached through
+    its directory opened (wire.listen, wire.connect), and is as private."""
+    deep = registry.parent / ("d" * 60) / ("e" * 60)
+    monkeypatch.setenv("NBLAUNCH_RUN_DIR", str(deep))
+    handle = nblaunch.notebook_launcher(steps, (3, 0.05), 2, detach=True, display="none")
+    entry = detached.find(handle.id)
+    assert len(entry.socket.encode()) > 108 and entry.socket.startswith(str(deep)), entry.socket
+    assert stat.S_IMODE(os.stat(entry.socket).st_mode) == 0o600
+    assert handle.result(timeout=60) == [100, 101]
+
+
 def test_a_detached_failure_comes_back_as_the_ranks_own_exception_also_after_the_end(registry):
     handle = nblaunch.notebook_launcher(steps, (3, 0.05, 1), 2, detach=True, display="none")
     with pytest.raises(KeyError, match="no column 3 on rank 1"):

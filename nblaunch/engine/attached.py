@@ -73,8 +73,7 @@ class AttachedRun:
         on_disk = ended and (entry.run_dir / RESULT_FILE).exists()
         if host_alive(entry.pid) and not on_disk:  # going, or ended and its host holds the outcome
             try:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._sock.connect(entry.socket)
+                self._sock = wire.connect(entry.socket)
             except OSError:
                 self._sock = None  # it ended a moment ago: read what it left
             if self._sock is not None and view is None:

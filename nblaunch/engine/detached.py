@@ -38,8 +38,6 @@ from nblaunch.engine.plan import LaunchPlan
 from nblaunch.engine.run_dirs import RunLease
 from nblaunch.errors import LaunchError
 
-# Unix socket paths are limited to 108 bytes; a longer one goes in the registry.
-_MAX_SOCKET_PATH = 100
 # The state of an entry whose host is being started (its id is taken).
 STARTING = "starting"
 # How long the host may take to start (it imports torch and starts a forkserver).
@@ -196,12 +194,9 @@ def claim_id(run_dir: Path, kind: str, start_limit_s: float = HOST_START_LIMIT_S
     raise AssertionError("unreachable")
 
 
-def socket_path(run_dir: Path, run_id: str) -> str:
-    """The run directory's ``stream.sock``, or the registry's when that path is too long."""
-    path = str(run_dir.resolve() / SOCKET_FILE)
-    if len(path.encode()) > _MAX_SOCKET_PATH:
-        path = str(registry_dir() / f"{run_id}.sock")
-    return path
+def socket_path(run_dir: Path) -> str:
+    """The run directory's ``stream.sock`` (of any length: see ``wire.listen``)."""
+    return str(run_dir.resolve() / SOCKET_FILE)
 
 
 def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:

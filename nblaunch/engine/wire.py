@@ -12,9 +12,12 @@ that shows no view: each view has a connection of its own).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import socket
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 _LENGTH = struct.Struct("!Q")
@@ -23,6 +26,55 @@ MAX_MESSAGE = 1 << 36
 EVENTS, OUTCOME, CLOSED, STOP, QUIET = "events", "outcome", "closed", "stop", "quiet"
 # A client that only watches (the runs panel): its taking the outcome is no notebook's having it.
 WATCH = "watch"
+
+
+# The longest path bind and connect take for a Unix socket (108 bytes with its NUL, on Linux).
+MAX_SOCKET_PATH = 107
+
+
+def listen(path: str, backlog: int) -> socket.socket:
+    """A Unix socket listening at ``path`` (a file left there is replaced), 0600 from the start."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_mask = os.umask(0o177)  # not after a chmod: no moment others may connect
+    try:
+        with _reachable(path) as name:
+            sock.bind(name)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_mask)
+    sock.listen(backlog)
+    return sock
+
+
+def connect(path: str) -> socket.socket:
+    """A connection to the Unix socket at ``path``; OSError when nothing listens there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with _reachable(path) as name:
+            sock.connect(name)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@contextlib.contextmanager
+def _reachable(path: str) -> Iterator[str]:
+    """``path`` in a form bind and connect take: itself, or where it is longer than they take
+    (a deep run directory, a test's temporary one), its name in its directory opened here
+    (``/proc/self/fd/N/stream.sock``)."""
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        yield path
+        return
+    directory = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{directory}/{os.path.basename(path)}"
+    finally:
+        os.close(directory)
 
 
 def send(sock: socket.socket, kind: str, body: Any) -> None:

@@ -70,7 +70,7 @@ def run_detached(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     hub = EventHub()
     run = Run(plan, hub)
     run_id = launch.get("run_id", plan.run_id)  # unique in the registry (detached.claim_id)
-    server = StreamServer(detached.socket_path(run_dir, run_id), hub, run.request_stop)
+    server = StreamServer(detached.socket_path(run_dir), hub, run.request_stop)
     entry = detached.Entry(
         run_id=run_id,
         run_dir=run_dir,

@@ -67,7 +67,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
         run_id=run_id,
         run_dir=run_dir,
         pid=os.getpid(),
-        socket=detached.socket_path(run_dir, run_id),
+        socket=detached.socket_path(run_dir),
         kind="pool",
         started_at=time.time(),
         world_size=0,
@@ -160,16 +160,8 @@ class PoolServer:
         self._task_running = False
         # Told the pid of each notebook that attaches (SO_PEERCRED), and None when it goes.
         self.on_holder: Callable[[int | None], None] = lambda pid: None
-        if os.path.exists(path):
-            os.unlink(path)
         self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_mask = os.umask(0o177)  # 0600 from the start
-        try:
-            self.sock.bind(path)
-        finally:
-            os.umask(old_mask)
-        self.sock.listen(4)
+        self.sock = wire.listen(path, 4)
 
     def serve(self) -> str:
         """Answer requests until the pool should end; returns why (``closed``, ``stopped``,

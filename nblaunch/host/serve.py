@@ -167,15 +167,7 @@ class StreamServer:
         self._lock = threading.Lock()
         self._outcome: bytes | None = None
         self._delivered = False  # a notebook took the outcome, and may have hung up since
-        if os.path.exists(path):
-            os.unlink(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_mask = os.umask(0o177)  # 0600 from the start, not after a chmod
-        try:
-            self.sock.bind(path)
-        finally:
-            os.umask(old_mask)
-        self.sock.listen(16)
+        self.sock = wire.listen(path, 16)
         self._accepting = threading.Thread(target=self._accept, name="nblaunch-accept", daemon=True)
 
     def start(self) -> None:

@@ -58,8 +58,7 @@ class RunWatch:
         self.summary = RunSummary()
         self.done = threading.Event()
         self.primed = threading.Event()  # the host's history came (or the connection ended)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(entry.socket)
+        self._sock = wire.connect(entry.socket)
         wire.send(self._sock, wire.WATCH, None)  # a notebook, not the panel, takes the outcome
         thread = threading.Thread(target=self._read, name=f"nblaunch-lab-{entry.run_id}")
         thread.daemon = True

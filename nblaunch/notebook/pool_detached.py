@@ -129,9 +129,9 @@ class DetachedPool(Pool):
         return pool
 
     def _connect(self, entry: detached.Entry, take_over: bool = False) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = None
         try:
-            sock.connect(entry.socket)
+            sock = wire.connect(entry.socket)
             wire.send(sock, "hello", {"who": who_am_i(), "take_over": take_over})
             message = wire.receive(sock)
             if message is not None and message[0] == "wait":
@@ -142,7 +142,8 @@ class DetachedPool(Pool):
                 )
                 message = wire.receive(sock)
         except OSError as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise LaunchError(f"cannot reach the pool's host (pid {entry.pid}): {exc}") from None
         if message is not None and message[0] == "refused":
             sock.close()
