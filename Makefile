@@ -12,6 +12,11 @@ CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 SAY_TORCH = $(PY) -c "import torch; c = torch.version.cuda; print('torch', torch.__version__, \
 	f'(the CUDA {c} build: no CPU wheel was reachable)' if c else '(the CPU build)')"
 
+# The suite runs on PYTEST_WORKERS processes, a test file to each (pytest-xdist; 0: in this one):
+# its tests mostly wait on ranks, so 2 take 580 s where one took 973 s on this project's 2 cores.
+PYTEST_WORKERS ?= 2
+PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
+
 .PHONY: demo test test-fast test-matrix test-ci-cuda test-browser test-xla screenshots lint bench docs install clean lab-build
 
 $(VENV)/.installed: pyproject.toml
@@ -32,7 +37,7 @@ demo: install
 # the 16-rank browser test checks the same view, and 64 ranks on 2 cores cost half a minute.
 test: install
 	@$(SAY_TORCH)
-	$(PY) -m pytest -q -m "not screenshots"
+	$(PY) -m pytest -q -m "not screenshots" $(PARALLEL)
 
 # The fast tests on every Python x torch x build of noxfile.py (docs/versions.md has the table;
 # 10-20 min and a few GB of downloads per cell). One cell: make test-matrix NOX_ARGS='-s
@@ -56,7 +61,7 @@ screenshots: install
 
 test-fast: install
 	@$(SAY_TORCH)
-	$(PY) -m pytest -q -m "not browser and not slow"
+	$(PY) -m pytest -q -m "not browser and not slow" $(PARALLEL)
 
 test-browser: install
 	$(PY) -m pytest -q -m browser

@@ -29,6 +29,20 @@ def _run_dirs_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("NBLAUNCH_RUN_DIR", str(tmp_path / "runs"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_spares_in_the_test_process():
+    """No spare ranks after this process's own launches. nblaunch forks them where IPython runs
+    and ``__main__`` has no source: a notebook's kernel, and also a pytest-xdist worker once a
+    test made IPython's test shell (plain pytest's ``__main__`` has one). There they would outlive
+    tests that check no rank is left, and reap a forkserver a test killed to see it replaced.
+    The spares' tests run real kernels."""
+    from nblaunch.engine import spares
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(spares, "wanted", lambda start_method: False)
+        yield
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
     """Poll ``predicate`` until it is true or ``timeout`` seconds pass; return its last value."""
     import time

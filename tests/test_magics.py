@@ -27,8 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def ip():
+    from nblaunch.engine.supervisor import warm_up
+
     shell = get_ipython()
     shell.run_line_magic("load_ext", "nblaunch")
+    warm_up()  # the forkserver the extension starts in the background is up: not a rank
     yield shell
     shell.run_line_magic("unload_ext", "nblaunch")
 

@@ -9,6 +9,8 @@ latched at the first pin as CUDA latches it at its start) and when, in a log fil
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -243,18 +245,29 @@ def test_no_spares_when_turned_off(tmp_path, monkeypatch):
         kernel.close()
 
 
-def test_a_script_forks_no_spares():
-    import nblaunch
-    import nblaunch.engine.spares as spares
+SCRIPT = """
+import nblaunch
+import nblaunch.engine.spares as spares
 
-    assert nblaunch.notebook_launcher(_pid, num_processes=2, display="none")
-    assert spares._worker is None and spares.pids() == []
-
-
-def _pid() -> int:
+def pid():
     import os
-
     return os.getpid()
+
+if __name__ == "__main__":
+    for _ in range(2):
+        assert nblaunch.notebook_launcher(pid, num_processes=2, display="none")
+    print("spares:", spares._worker, spares.pids())
+"""
+
+
+def test_a_script_forks_no_spares(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "spares: None []" in done.stdout, done.stdout
 
 
 def _alive(pid: int) -> bool:
