@@ -25,7 +25,10 @@ same round's) their range too: on a shared machine single rounds swing by tens o
 Two launches of the same code differ by up to ±20% on this machine (measured: the same
 ``debug=False`` step's CPU), which hides a cost of a few percent. So each round also runs one
 launch in which the same ranks alternate blocks of ``BLOCK`` steps checked and unchecked
-(``alternating_blocks``; A B B A ...): the second table is their ratio, per round.
+(``alternating_blocks``; A B B A ...): the second table is their ratio, per round. A second
+launch per round runs the same blocks with both kinds unchecked (the control): how far two
+kinds of the same code drift apart in one launch on this machine, the least cost the first
+launch can tell from nothing.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def train_step_timing(library: str, steps: int, warmup: int) -> tuple[float, flo
 
 
 def alternating_blocks(
-    blocks: int, block: int, width: int = WIDTH, layers: int = 3
+    blocks: int, block: int, width: int = WIDTH, layers: int = 3, control: bool = False
 ) -> dict[str, list[tuple[float, float]]]:
     """In a rank of a launch with the default checks: the step of ``train_step_timing``,
     timed in blocks of ``block`` steps that alternate between checked and unchecked (A B B A:
@@ -125,7 +128,8 @@ def alternating_blocks(
     torch's own functions, nothing sent, and a DDP model made without the checks' comm hook
     (same weights). Returns each block's wall, CPU (the process's) and the task thread's CPU
     seconds per step, by kind; and under ``"reads"`` the flight recorder's reads in the checked
-    blocks (how many, their seconds) and its thread's CPU seconds per checked step."""
+    blocks (how many, their seconds) and its thread's CPU seconds per checked step.
+    ``control``: the "checked" blocks and models are unchecked too."""
     import contextlib
     import time
 
@@ -165,6 +169,10 @@ def alternating_blocks(
             if reader is not None:
                 reader.resume()  # its catching up is paid in the checked block
 
+    def checks(kind: str) -> Any:
+        """A block's (or a model's) checks: none in the control's blocks of either kind."""
+        return contextlib.nullcontext() if kind == "checked" and not control else unchecked()
+
     device = nblaunch.device()
     inputs = torch.randn(BATCH, width, device=device)
     targets = torch.randint(0, 10, (BATCH,), device=device)
@@ -174,7 +182,7 @@ def alternating_blocks(
     # memory moves its step by a few percent, and that must not pass for the checks' cost.
     models: dict[str, list[Any]] = {"checked": [], "unchecked": []}
     for kind in ("checked", "unchecked", "unchecked", "checked"):
-        with contextlib.nullcontext() if kind == "checked" else unchecked():
+        with checks(kind):
             model = DDP(mlp(width, layers))
         models[kind].append((model, torch.optim.SGD(model.parameters(), lr=0.01)))
 
@@ -194,7 +202,7 @@ def alternating_blocks(
     reader_cpu = 0.0
     for i in range(2 * blocks + 4):  # the first four warm up each model
         kind = "checked" if i % 4 in (0, 3) else "unchecked"
-        with contextlib.nullcontext() if kind == "checked" else unchecked():
+        with checks(kind):
             dist.barrier()
             synchronize()
             started, cpu, task = time.perf_counter(), time.process_time(), time.thread_time()
@@ -215,14 +223,18 @@ def alternating_blocks(
     return times
 
 
-def run_alternating() -> tuple[float, float, float, float, float]:
+def run_alternating(control: bool = False) -> tuple[float, float, float, float, float]:
     """One launch of ``alternating_blocks``: checked over unchecked, the slowest rank's median
     block (wall), and both ranks' median blocks summed (CPU); the flight recorder's reads,
     mean ms per read and ms per checked step (both ranks' mean; 0 where it did not read); and
     the checks' own threads: the task thread's CPU plus the reader thread's, checked, over the
-    task thread's unchecked (both ranks summed)."""
+    task thread's unchecked (both ranks summed). ``control``: both kinds unchecked."""
     per_rank = nblaunch.notebook_launcher(
-        alternating_blocks, (BLOCKS, BLOCK), num_processes=2, device_type="cpu", display="none"
+        alternating_blocks,
+        (BLOCKS, BLOCK, WIDTH, 3, control),
+        num_processes=2,
+        device_type="cpu",
+        display="none",
     )
 
     def median(kind: str, column: int) -> list[float]:
@@ -231,7 +243,8 @@ def run_alternating() -> tuple[float, float, float, float, float]:
     wall = max(median("checked", 0)) / max(median("unchecked", 0))
     cpu = sum(median("checked", 1)) / sum(median("unchecked", 1))
     reads = [rank["reads"][0] for rank in per_rank if rank.get("reads")]
-    per_read = statistics.mean(r[1] / r[0] for r in reads if r[0]) * 1e3 if reads else 0.0
+    timed = [r[1] / r[0] for r in reads if r[0]]  # none in a control: it never reads
+    per_read = statistics.mean(timed) * 1e3 if timed else 0.0
     per_step = statistics.mean(r[1] for r in reads) / ((BLOCKS + 2) * BLOCK) * 1e3 if reads else 0.0
     reader = sum(r[2] for r in reads)
     threads = (sum(median("checked", 2)) + reader) / sum(median("unchecked", 2))
@@ -285,14 +298,15 @@ def main(rounds: int = ROUNDS) -> None:
     results: dict[tuple[str, str], list[tuple[float, float, float]]] = {
         (lib, mode): [] for lib, mode, _ in configs
     }
-    alternating = []
+    alternating, controls = [], []
     for round_ in range(rounds):
         # Every other round in reverse: a launch's place in a round moves its step time by
         # up to 10% (two identical launches in a row measured 0.77-1.27x), so each
         # configuration takes each place equally often.
         for library, mode, _ in configs if round_ % 2 == 0 else configs[::-1]:
             results[(library, mode)].append(run(library, mode))
-        alternating.append(run_alternating())
+        for control in (False, True) if round_ % 2 == 0 else (True, False):
+            (controls if control else alternating).append(run_alternating(control))
 
     print(
         f"Cost of checking collectives on a DDP training step: MLP {WIDTH}-{WIDTH}-{WIDTH}-10, "
@@ -329,21 +343,20 @@ def main(rounds: int = ROUNDS) -> None:
         "debug=False). Ratio of the median blocks, median and range over rounds. Threads: "
         "the task thread's CPU plus the recorder reader's, checked, over the task thread's "
         "unchecked (each thread's own clock: gloo's threads and the machine's noise left out; "
-        "the launcher's comparing is not in it).\n"
+        "the launcher's comparing is not in it). The control: a launch of the same blocks "
+        "with both kinds unchecked, the drift between two kinds of the same code.\n"
     )
     print(
         "| one launch per round | wall, checked vs. unchecked | CPU, checked vs. unchecked "
         "| threads, checked vs. unchecked | recorder: ms per read | recorder: ms per checked step |"
     )
     print("|---|---:|---:|---:|---:|---:|")
-    walls, cpus = _ratios([a[0] for a in alternating]), _ratios([a[1] for a in alternating])
-    threads = _ratios([a[4] for a in alternating])
-    per_read = statistics.median(a[2] for a in alternating)
-    per_step = statistics.median(a[3] for a in alternating)
-    print(
-        f"| nblaunch, default checks | {walls} | {cpus} | {threads} | {per_read:.3f} "
-        f"| {per_step:.4f} |"
-    )
+    for label, launches in (("nblaunch, default checks", alternating), ("control", controls)):
+        walls, cpus = _ratios([a[0] for a in launches]), _ratios([a[1] for a in launches])
+        threads = _ratios([a[4] for a in launches])
+        per_read = statistics.median(a[2] for a in launches)
+        per_step = statistics.median(a[3] for a in launches)
+        print(f"| {label} | {walls} | {cpus} | {threads} | {per_read:.3f} | {per_step:.4f} |")
     sys.stdout.flush()
 
 

@@ -304,14 +304,15 @@ def test_healthy_real_training_raises_nothing():
     assert results == [steps, steps]  # every scenario ran to its end on both ranks
 
 
-def test_bench_debugs_alternating_launch_times_both_kinds():
+@pytest.mark.parametrize("control", [False, True])
+def test_bench_debugs_alternating_launch_times_both_kinds(control):
     """The benchmark turns the checks off and on inside ranks through their internals: it must
-    still find them."""
+    still find them (its control launch too, which leaves them off in both kinds)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import bench_debug
 
-        per_rank = launch(bench_debug.alternating_blocks, (2, 3))
+        per_rank = launch(bench_debug.alternating_blocks, (2, 3, 16, 2, control))
     finally:
         sys.path.remove(str(BENCHMARKS))
     for times in per_rank:
