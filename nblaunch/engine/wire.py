@@ -17,7 +17,6 @@ import os
 import pickle
 import socket
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 _LENGTH = struct.Struct("!Q")
@@ -36,14 +35,9 @@ def listen(path: str, backlog: int) -> socket.socket:
     """A Unix socket listening at ``path`` (a file left there is replaced), 0600 from the start."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_mask = os.umask(0o177)  # not after a chmod: no moment others may connect
     try:
-        with _reachable(path) as name:
-            sock.bind(name)
-    except BaseException:
-        sock.close()
-        raise
+        sock = _unix_socket(path, socket.socket.bind)
     finally:
         os.umask(old_mask)
     sock.listen(backlog)
@@ -52,29 +46,28 @@ def listen(path: str, backlog: int) -> socket.socket:
 
 def connect(path: str) -> socket.socket:
     """A connection to the Unix socket at ``path``; OSError when nothing listens there."""
+    return _unix_socket(path, socket.socket.connect)
+
+
+def _unix_socket(path: str, bind_or_connect: Any) -> socket.socket:
+    """A Unix socket bound or connected to ``path``; a path longer than AF_UNIX takes (a deep
+    run directory, a test's temporary one) through its folder opened here
+    (``/proc/self/fd/N/stream.sock``)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    folder = -1
     try:
-        with _reachable(path) as name:
-            sock.connect(name)
+        name = path
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            folder = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+            name = f"/proc/self/fd/{folder}/{os.path.basename(path)}"
+        bind_or_connect(sock, name)
     except BaseException:
         sock.close()
         raise
-    return sock
-
-
-@contextlib.contextmanager
-def _reachable(path: str) -> Iterator[str]:
-    """``path`` in a form bind and connect take: itself, or where it is longer than they take
-    (a deep run directory, a test's temporary one), its name in its directory opened here
-    (``/proc/self/fd/N/stream.sock``)."""
-    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
-        yield path
-        return
-    directory = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
-    try:
-        yield f"/proc/self/fd/{directory}/{os.path.basename(path)}"
     finally:
-        os.close(directory)
+        if folder >= 0:
+            os.close(folder)
+    return sock
 
 
 def send(sock: socket.socket, kind: str, body: Any) -> None:
