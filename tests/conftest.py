@@ -148,7 +148,9 @@ class Kernel:
         With ``answers``, the cell may ask for input (``input()``, a rank's debugger): each
         prompt is recorded in ``"prompts"`` and gets the next answer ``answer_after`` seconds
         later ("c" once they run out), as a person typing into the notebook would; with
-        ``answer_after=None`` nobody answers (a person who walked away, or presses interrupt).
+        ``answer_after=None`` nobody answers (a person who walked away, or presses interrupt),
+        and ``interrupt_after`` counts from the first prompt: the button is pressed at it.
+        ``"interrupted_at"``: the seconds into the cell at which the interrupt was sent.
         """
         msg_id = self.client.execute(code, allow_stdin=answers is not None)
         pending = list(answers or [])
@@ -160,17 +162,22 @@ class Kernel:
             "traceback": [],
             "seconds": 0.0,
             "prompts": [],
+            "interrupted_at": None,
         }
         began = time.monotonic()
-        interrupted = False
+        # When the interrupt's clock starts: at a prompt, when the cell waits at one
+        clock: float | None = None if answers is not None and answer_after is None else began
         while time.monotonic() - began < timeout:
-            if interrupt_after and not interrupted and time.monotonic() - began > interrupt_after:
+            due = interrupt_after and cell["interrupted_at"] is None and clock is not None
+            if due and time.monotonic() - clock > interrupt_after:
                 self.manager.interrupt_kernel()  # the notebook's interrupt button
-                interrupted = True
+                cell["interrupted_at"] = time.monotonic() - began
             if answers is not None:
                 with contextlib.suppress(queue.Empty):
                     request = self.client.get_stdin_msg(timeout=0.01)
                     cell["prompts"].append(request["content"]["prompt"])
+                    if clock is None:
+                        clock = time.monotonic()
                     if answer_after is not None:
                         time.sleep(answer_after)
                         self.client.input(pending.pop(0) if pending else "c")

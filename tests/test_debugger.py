@@ -189,7 +189,7 @@ def test_the_interrupt_button_works_at_a_pools_debugger_prompt(notebook):
         )
         assert cell["prompts"] == ["[rank 1] (Pdb) "]
         assert cell["error"] == "KeyboardInterrupt", cell
-        assert cell["seconds"] < 3.0 + 6.0
+        assert cell["seconds"] - cell["interrupted_at"] < 6.0
         # The pool is ready, with its names: the rank in the debugger was interrupted too.
         assert notebook.run("%%distributed\nkept")["result"] == "1"
     finally:
