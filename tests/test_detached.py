@@ -88,6 +88,57 @@ def test_a_detached_failure_comes_back_as_the_ranks_own_exception_also_after_the
     assert seen.of("run_ended")
 
 
+def test_a_view_that_connects_as_the_host_ends_shows_what_the_host_left(tmp_path):
+    """A host that ends as a view connects (its listening socket closed, the connection
+    dropped before it was served): the view shows the history and outcome left on disk."""
+    import pickle
+    import socket
+    import threading
+    import time
+
+    import cloudpickle
+
+    from nblaunch.engine import attached, wire
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / host_files.RESULT_FILE).write_bytes(cloudpickle.dumps({"values": [1, 2]}))
+    lines = [{"kind": "stream", "rank": r, "name": "stdout", "text": "step 2"} for r in (0, 1)]
+    (run_dir / host_files.HISTORY_FILE).write_bytes(pickle.dumps(lines))
+    path = str(run_dir / host_files.SOCKET_FILE)
+    listener = wire.listen(path, 1)
+
+    def end_as_it_connects() -> None:
+        client, _ = listener.accept()
+        client.shutdown(socket.SHUT_RDWR)
+        client.close()
+        listener.close()
+
+    threading.Thread(target=end_as_it_connects, daemon=True).start()
+    # A process that /proc says is a run host, as the registry's pid would be.
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "nblaunch.host"])
+    try:
+        assert wait_until(lambda: detached.host_alive(host.pid), 5)
+        entry = detached.Entry(
+            "20261205-000000-000000-abcd",
+            run_dir,
+            host.pid,
+            path,
+            "run",
+            time.time(),
+            2,
+            detached.RUNNING,
+        )
+        seen = RecordingView()
+        run = attached.AttachedRun(entry, seen)
+        assert run.wait(10)
+        assert [e["text"] for e in seen.of("stream")] == ["step 2", "step 2"]
+        assert run.values() == [1, 2]
+    finally:
+        host.kill()
+        host.wait()
+
+
 def test_the_cli_lists_and_stops_a_detached_run(registry):
     handle = nblaunch.notebook_launcher(steps, (3000, 0.1), 2, detach=True, display="none")
     entry = detached.find(handle.id)

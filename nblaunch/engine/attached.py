@@ -109,8 +109,10 @@ class AttachedRun:
 
     def _read(self) -> None:
         assert self._sock is not None
+        served = False  # the host sent this connection something
         try:
             while (message := wire.receive(self._sock)) is not None:
+                served = True
                 kind, body = message
                 if kind == wire.EVENTS:
                     self.hub.handle_many(self._unseen(body))
@@ -127,6 +129,8 @@ class AttachedRun:
         finally:
             try:
                 self._sock.close()
+                if not served:  # it ended as this connected: the view is what it left, as after
+                    self.hub.handle_many(self._unseen(self._history_on_disk()))
                 if self._outcome is None:
                     self._outcome = self._outcome_on_disk()
                     if self._outcome.get("lost"):  # what the view showed live, then why
@@ -137,16 +141,20 @@ class AttachedRun:
                 self._done.set()  # result() never waits for a reader that failed
 
     def _read_ended(self) -> None:
-        try:
-            events = pickle.loads((self.entry.run_dir / HISTORY_FILE).read_bytes())
-        except (OSError, pickle.UnpicklingError, EOFError):
-            events = []
+        events = self._history_on_disk()
         self.hub.handle_many(self._unseen(events))
         self._outcome = self._outcome_on_disk()
         if self._outcome.get("lost"):
             self.hub.handle_many(lost_run_events(self.entry, with_logs=not events))
         self.hub.close()
         self._done.set()
+
+    def _history_on_disk(self) -> list[Event]:
+        """The view's events the host left in the run directory (none where it left none)."""
+        try:
+            return pickle.loads((self.entry.run_dir / HISTORY_FILE).read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError):
+            return []
 
     def _unseen(self, events: list[Event]) -> list[Event]:
         """``events`` without the host's header when the view showed it already (once)."""

@@ -167,6 +167,7 @@ class StreamServer:
         self._lock = threading.Lock()
         self._outcome: bytes | None = None
         self._delivered = False  # a notebook took the outcome, and may have hung up since
+        self._drained: list[ClientFeed] = []  # the clients finish() waited for
         self.sock = wire.listen(path, 16)
         self._accepting = threading.Thread(target=self._accept, name="nblaunch-accept", daemon=True)
 
@@ -201,7 +202,7 @@ class StreamServer:
         :meth:`close`."""
         with self._lock:
             self._outcome = outcome
-            feeds = list(self.clients)
+            feeds = self._drained = list(self.clients)
             for feed in feeds:
                 feed.end(outcome)
         for feed in feeds:
@@ -213,8 +214,16 @@ class StreamServer:
         with self._lock:
             return self._delivered or any(feed.delivered for feed in self.clients)
 
-    def close(self) -> None:
-        """Stop listening (the run's host is about to end)."""
+    def close(self, stall_s: float = STALL_S) -> None:
+        """Stop listening (the run's host is about to end), once the clients that attached
+        after :meth:`finish` took the outcome too (as there; the host's exit would cut them off)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread: no client after
         self.sock.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+        self._accepting.join(1.0)
+        with self._lock:
+            late = [feed for feed in self.clients if feed not in self._drained]
+        for feed in late:
+            feed.drain(stall_s)
