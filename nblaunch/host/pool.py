@@ -24,6 +24,7 @@ import dataclasses
 import os
 import pickle
 import queue
+import select
 import signal
 import socket
 import threading
@@ -273,12 +274,13 @@ class PoolServer:
                 raise ValueError("no hello")
             hello = message[1]
             holder = self.client_who if self.client is not None else ""
-            if holder and self.client_alive and not hello.get("take_over"):
+            alive = self._holder_alive()
+            if holder and alive and not hello.get("take_over"):
                 wire.send(sock, REFUSED, {"holder": holder})
                 sock.close()
                 return
             if holder and self._task_running:  # the task ends first, its notebook gone or not
-                gone = "" if self.client_alive else ", which went away,"
+                gone = "" if alive else ", which went away,"
                 wire.send(sock, WAIT, {"holder": f"{holder}{gone}"})
         except (OSError, EOFError, ValueError, pickle.UnpicklingError):
             sock.close()
@@ -290,7 +292,7 @@ class PoolServer:
         or one taking the pool over from the notebook before (who is told)."""
         who = str(hello.get("who", "another process"))
         if self.client is not None:
-            if self.client_alive and not hello.get("take_over"):  # two at once: the first won
+            if self._holder_alive() and not hello.get("take_over"):  # two at once: the first won
                 with contextlib.suppress(OSError):
                     wire.send(sock, REFUSED, {"holder": self.client_who})
                 sock.close()
@@ -313,6 +315,20 @@ class PoolServer:
             self.client = None
             return
         threading.Thread(target=self._read, args=(sock,), daemon=True).start()
+
+    def _holder_alive(self) -> bool:
+        """Whether the notebook that holds the pool is still connected: also False for a killed
+        kernel whose hang-up its reading thread has not seen yet (a newcomer right after it
+        must not be refused for it)."""
+        client = self.client
+        if client is None or not self.client_alive:
+            return False
+        hung_up = select.poll()  # POLLRDHUP: its end closed, even with a message unread
+        try:
+            hung_up.register(client, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        except (OSError, ValueError):  # closed here already
+            return False
+        return not hung_up.poll(0)
 
     def _read(self, sock: socket.socket) -> None:
         try:
