@@ -238,8 +238,13 @@ def test_a_detached_runs_replaced_views_hang_up_on_its_host(soak_kernel):
             before,
             host_counts(host),
         )
+        # Each replaced view's connection is closed by its own reading thread, once the host's
+        # hang-up reaches it: a loaded machine may count a few before they close.
+        assert wait_until(lambda: counts(kernel)["fds"] <= kernel_before["fds"] + 1, 10), (
+            kernel_before,
+            counts(kernel),
+        )
         after = counts(kernel)
-        assert after["fds"] <= kernel_before["fds"] + 1, (kernel_before, after)
         assert after["widgets"] <= kernel_before["widgets"] + 2, (kernel_before, after)
     finally:
         kernel.run("stop(h)", timeout=90)
