@@ -88,11 +88,15 @@ def test_background_launches_leave_no_socket_and_no_fd(soak_kernel):
         timeout=300,
     )
     assert cell["error"] is None, cell
-    after = counts(kernel)
-    # Before the fix each launch left its listening socket: +8 sockets, +8 fds.
-    assert after["checks"] == 0, (before, after)
-    assert after["fds"] - before["fds"] <= 2, (before, after)
-    assert after["threads"] - before["threads"] <= 1, (before, after)
+
+    # Before the fix each launch left its listening socket: +8 sockets, +8 fds. What a run's
+    # threads close, they close as they end: later on a loaded machine.
+    def given_back() -> bool:
+        after = counts(kernel)
+        fds, threads = after["fds"] - before["fds"], after["threads"] - before["threads"]
+        return after["checks"] == 0 and fds <= 2 and threads <= 1
+
+    assert wait_until(given_back, 10), (before, counts(kernel))
 
 
 def test_a_background_run_logging_metrics_imports_no_torch(soak_kernel, tmp_path):
@@ -186,12 +190,13 @@ def test_the_run_host_gives_back_what_each_attach_took(soak_kernel):
         for _ in range(4):
             attach_and_exit(run_id, view=False)
             attach_and_exit(run_id, view=True)
-        # Before the fix: +1 fd and +1 thread per reading client, +1 fd per viewing one.
-        assert wait_until(lambda: host_counts(host)[0] <= before[0] + 1, timeout=10), (
-            before,
-            host_counts(host),
-        )
-        assert host_counts(host)[1] <= before[1] + 1, (before, host_counts(host))
+        # Before the fix: +1 fd and +1 thread per reading client, +1 fd per viewing one. Each
+        # client's thread ends once its hang-up reaches it: later on a loaded machine.
+        fds, threads = before
+        assert wait_until(
+            lambda: host_counts(host)[0] <= fds + 1 and host_counts(host)[1] <= threads + 1,
+            timeout=10,
+        ), (before, host_counts(host))
     finally:
         kernel.run("stop(h)", timeout=90)
 
