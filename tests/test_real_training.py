@@ -318,7 +318,7 @@ def test_in_a_kernel_a_rank_that_left_a_ddp_loop_fails_the_cell_with_its_line(ke
     assert cell["error"] == "DistributedHangError", cell
     assert cell["seconds"] < 30, cell
     assert cell["message"].startswith("rank 1 of 2 returned while rank 0 waits"), cell
-    assert "DDP gradient all-reduce" in cell["message"]
+    assert "DDP gradient all-reduce" in cell["message"], cell["message"]
     assert (
         "at Cell In[1]:6 in train: `model(torch.randn(8, 4)).sum().backward()`" in (cell["message"])
     ), cell["message"]

@@ -255,6 +255,52 @@ def test_a_hang_on_nccl_names_the_collective_and_how_far_nccl_got(monkeypatch, s
     assert described["shapes"] == [[8392704]]
 
 
+def test_a_collective_is_described_once_gloo_recorded_it(monkeypatch):
+    """gloo counts DDP's all-reduce as issued before it records it: a heartbeat between the
+    two says nothing of it, and the next one names it from the recorder's entry; without an
+    entry by then, or with the recorder off, from the stack alone."""
+    dump = nccl_dump(-1, 6)
+    entry = dump["entries"].pop()
+    entry.update(profiling_name="gloo:all_reduce")
+    monkeypatch.setattr(process_groups, "_dumps", lambda **_: [dump])
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE", raising=False)
+    beat = heartbeat.HeartbeatThread(0, send=lambda event: None)
+
+    def _engine_run_backward():  # torch.autograd.graph's name for the backward pass
+        return beat._in_flight(("0", 7), None)
+
+    assert _engine_run_backward() is None
+    dump["entries"].append(entry)  # gloo's worker thread recorded it
+    described = _engine_run_backward()
+    assert (described["label"], described["shapes"]) == ("DDP gradient all-reduce", [[8392704]])
+    dump["entries"].clear()  # never recorded (or overwritten)
+    beat = heartbeat.HeartbeatThread(0, send=lambda event: None)
+    assert _engine_run_backward() is None
+    assert _engine_run_backward()["label"] == "collective in backward()"
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    beat = heartbeat.HeartbeatThread(0, send=lambda event: None)
+    assert _engine_run_backward()["label"] == "collective in backward()"
+
+
+def test_a_collective_described_from_another_stack_is_described_again(monkeypatch):
+    """The task's thread can move on between the counts and the stack read: a collective
+    first described from another stack is named again from the one it waits on."""
+    dump = nccl_dump(-1, 6)
+    dump["entries"][0].update(profiling_name="gloo:all_reduce")
+    monkeypatch.setattr(process_groups, "_dumps", lambda **_: [dump])
+    beat = heartbeat.HeartbeatThread(0, send=lambda event: None)
+
+    def next_forward():
+        return beat._in_flight(("0", 7), None)["label"]
+
+    def _engine_run_backward():
+        return beat._in_flight(("0", 7), None)["label"]
+
+    assert next_forward() == "all_reduce"
+    assert _engine_run_backward() == "DDP gradient all-reduce"
+
+
 def test_gloo_says_nothing_of_its_progress(monkeypatch):
     dump = nccl_dump(-1, 6)
     dump["entries"][0]["profiling_name"] = "gloo:all_reduce"

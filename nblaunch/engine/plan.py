@@ -261,9 +261,7 @@ def plan_launch(
 
 def _recorder_warnings() -> list[str]:
     """What the checks cannot see when the user turned torch's flight recorder off."""
-    from nblaunch.ranks.recorder import recorder_size
-
-    if recorder_size() != 0:
+    if process_groups.recorder_size() != 0:
         return []
     return [
         "TORCH_FR_BUFFER_SIZE=0 turns torch's flight recorder off: the checks see only "

@@ -126,6 +126,8 @@ class HeartbeatThread:
         self._beat_output = 0.0
         self._last_beat = self._started
         self._described: InFlightInfo | None = None  # the collective last described
+        self._described_key: tuple[Any, ...] = ()  # its group, number and stack
+        self._unrecorded: tuple[str, int] | None = None  # pending, and not in the recorder
         self._counts = (0, 0)  # collectives issued on every group, point-to-point posts
         self._wait_beat = (0.0, 0)  # (still since, how many of WAIT_BEATS_S) last sent early
 
@@ -213,7 +215,7 @@ class HeartbeatThread:
             collective = waits.label(proof["p2p_wait"], collective)
         elif pending and (collective or still_s >= NATIVE_WAIT_AFTER_S):
             in_flight = self._in_flight(pending, collective)
-            collective = in_flight["label"]
+            collective = in_flight["label"] if in_flight else collective
         stack = ""
         if not final:
             frames = sys._current_frames()
@@ -237,21 +239,35 @@ class HeartbeatThread:
             **proof,  # type: ignore[typeddict-item]
         }
 
-    def _in_flight(self, pending: tuple[str, int], called: str | None) -> InFlightInfo:
-        """Describe the collective this rank waits in, once per collective."""
-        if self._described is None or (self._described["group"], self._described["seq"]) != pending:
+    def _in_flight(self, pending: tuple[str, int], called: str | None) -> InFlightInfo | None:
+        """Describe the collective this rank waits in, once per collective and stack.
+
+        ``None`` the first time the flight recorder has no entry for a collective issued from
+        C++: gloo counts a collective as issued before its worker thread records it (most looks
+        at one just issued find no entry, measured), and a rank that has just issued one is not
+        known to wait in it. The next heartbeat describes it, from its entry or (overwritten,
+        never recorded) without. The stack counts too: the task's thread may move between
+        reading the counts and reading its stack.
+        """
+        frame = sys._current_frames().get(self.target)
+        functions, files, signature = [], [], []
+        checked = None  # in debug mode: the operation whose check this collective is
+        while frame is not None:
+            functions.append(frame.f_code.co_name)
+            files.append(frame.f_code.co_filename)
+            signature.append((id(frame.f_code), frame.f_lasti))
+            if (frame.f_code.co_name, frame.f_code.co_filename) == VERIFY_FRAME:
+                checked = frame.f_locals.get("operation")
+            frame = frame.f_back
+        del frame
+        key = (*pending, tuple(signature))
+        if self._described is None or self._described_key != key:
             group, seq = pending
             entry = process_groups.in_flight(group, seq)  # None when the recorder is off
-            frame = sys._current_frames().get(self.target)
-            functions, files = [], []
-            checked = None  # in debug mode: the operation whose check this collective is
-            while frame is not None:
-                functions.append(frame.f_code.co_name)
-                files.append(frame.f_code.co_filename)
-                if (frame.f_code.co_name, frame.f_code.co_filename) == VERIFY_FRAME:
-                    checked = frame.f_locals.get("operation")
-                frame = frame.f_back
-            del frame
+            recording = process_groups.recorder_size() != 0
+            if entry is None and called is None and recording and self._unrecorded != pending:
+                self._unrecorded = pending  # just issued: not known to wait in it yet
+                return None
             operation = entry.operation if entry else called or "collective"
             label = process_groups.collective_label(operation, functions, files, checked)
             if entry and entry.progress:  # NCCL's own word on it
@@ -263,6 +279,7 @@ class HeartbeatThread:
                 "label": label,
                 "shapes": entry.shapes if entry else [],
             }
+            self._described_key = key
         return self._described
 
     def _cpu_time(self) -> float:

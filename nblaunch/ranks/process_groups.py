@@ -12,6 +12,7 @@ rank waits in and names it as a user knows it ("DDP gradient all-reduce").
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import sys
 from dataclasses import dataclass
@@ -28,6 +29,17 @@ def enable_flight_recorder(env: dict[str, str]) -> None:
     """Turn the flight recorder on in a rank's environment unless the user chose a size."""
     if not any(env.get(name) for name in _BUFFER_VARIABLES):
         env["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
+
+
+def recorder_size(environ: dict[str, str] | None = None) -> int | None:
+    """The recorder's size as this process's environment sets it (None: torch's default)."""
+    env = os.environ if environ is None else environ
+    for name in _BUFFER_VARIABLES:
+        value = env.get(name)
+        if value:
+            with contextlib.suppress(ValueError):
+                return int(value)
+    return None
 
 
 def _dumps(**kwargs: Any) -> list[dict[str, Any]]:

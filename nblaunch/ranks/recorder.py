@@ -80,19 +80,6 @@ SAME_INPUTS = {
 DUMPS = (("_dump_fr_trace", "_dump_fr_trace_json"), ("_dump_nccl_trace", "_dump_nccl_trace_json"))
 
 
-def recorder_size(environ: dict[str, str] | None = None) -> int | None:
-    """The recorder's size as this process's environment sets it (None: torch's default)."""
-    import os
-
-    env = os.environ if environ is None else environ
-    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        value = env.get(name)
-        if value:
-            with contextlib.suppress(ValueError):
-                return int(value)
-    return None
-
-
 class RecorderReader:
     """Reads one task's new flight recorder entries and sends them (see the module).
 
@@ -122,7 +109,7 @@ class RecorderReader:
         self.counts_seen: Any = None  # the counts at the last look
         # (when, the task thread's line) at each look that saw a count move, since the last read
         self.sites: list[tuple[int, str]] = []
-        self._size = recorder_size() or process_groups.FLIGHT_RECORDER_ENTRIES
+        self._size = process_groups.recorder_size() or process_groups.FLIGHT_RECORDER_ENTRIES
         self._known: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _facts
         self._dumps = _dump_functions()
         self._stop = threading.Event()
@@ -397,7 +384,7 @@ def _error_site(error: BaseException) -> str:
 @contextlib.contextmanager
 def reading(outbox: fingerprints.Outbox | None) -> Any:
     """Read the recorder for ``outbox``'s task while the block runs."""
-    if outbox is None or recorder_size() == 0:
+    if outbox is None or process_groups.recorder_size() == 0:
         yield None
         return
     global _reader
