@@ -275,7 +275,7 @@ class HeartbeatThread:
             self._described = {
                 "group": group,
                 "group_desc": entry.group_desc if entry else "",
-                "seq": seq,
+                "seq": entry.seq if entry else seq,  # gloo's count may lag (in_flight)
                 "label": label,
                 "shapes": entry.shapes if entry else [],
             }

@@ -118,28 +118,47 @@ def in_flight(group: str, seq: int) -> InFlight | None:
 
     ``seq`` is the number :func:`group_status` gives: gloo counts its sends and receives there
     (and in an entry's ``op_id``), its entries' ``collective_seq_id`` does not, so a gloo entry
-    is found by its ``op_id``.
+    is found by its ``op_id``. Where the recorder marks that collective retired (completed)
+    while a later one is not, the later one is returned: gloo's count of completed collectives
+    can stay one behind while the next one waits (seen once in 30 hangs under load, the
+    entry retired and the count not).
 
     Read without the issuing stacks: symbolising them takes a second on first use, and the
     waiting thread's own stack says the same.
     """
     for dump in _dumps(includeCollectives=True, includeStackTraces=False):
-        for entry in reversed(dump.get("entries") or []):
-            name, desc = [*(entry.get("process_group") or ()), "", ""][:2]
-            backend, _, operation = str(entry.get("profiling_name", "")).rpartition(":")
-            key = "op_id" if backend == "gloo" and "op_id" in entry else "collective_seq_id"
-            if str(name) != group or int(entry.get(key, -1)) != seq:
-                continue
-            status = (dump.get("pg_status") or {}).get(str(name)) or {}
-            return InFlight(
-                str(name),
-                str(desc),
-                seq,
-                operation or "collective",
-                list(entry.get("input_sizes") or []),
-                _progress(backend, seq, status),
-            )
+        numbered: dict[int, dict[str, Any]] = {}  # this group's entries from seq on
+        for entry in dump.get("entries") or []:
+            name = str((entry.get("process_group") or ("",))[0])
+            number = int(entry.get(_number_key(entry), -1))
+            if name == group and number >= seq:
+                numbered[number] = entry
+        entry = numbered.get(seq)
+        if entry is None:
+            continue
+        if entry.get("retired"):
+            later = [n for n, e in numbered.items() if not e.get("retired") and not e.get("is_p2p")]
+            if later:
+                seq = min(later)
+                entry = numbered[seq]
+        desc = str([*(entry.get("process_group") or ()), "", ""][1])
+        backend, _, operation = str(entry.get("profiling_name", "")).rpartition(":")
+        status = (dump.get("pg_status") or {}).get(group) or {}
+        return InFlight(
+            group,
+            desc,
+            seq,
+            operation or "collective",
+            list(entry.get("input_sizes") or []),
+            _progress(backend, seq, status),
+        )
     return None
+
+
+def _number_key(entry: dict[str, Any]) -> str:
+    """The key of an entry's number as :func:`group_status` counts: gloo's ``op_id``."""
+    gloo = str(entry.get("profiling_name", "")).startswith("gloo:")
+    return "op_id" if gloo and "op_id" in entry else "collective_seq_id"
 
 
 def _progress(backend: str, seq: int, status: dict[str, Any]) -> str:
