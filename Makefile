@@ -14,7 +14,8 @@ SAY_TORCH = $(PY) -c "import torch; c = torch.version.cuda; print('torch', torch
 
 # The suite runs on PYTEST_WORKERS processes, a test file to each (pytest-xdist; 0: in this one):
 # its tests mostly wait on ranks, so 2 take 580 s where one took 973 s on this project's 2 cores.
-PYTEST_WORKERS ?= 2
+# (exported: the matrix cells of noxfile.py run theirs so too)
+export PYTEST_WORKERS ?= 2
 PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: demo test test-fast test-matrix test-ci-cuda test-browser test-xla screenshots lint bench docs install clean lab-build
@@ -40,7 +41,7 @@ test: install
 	$(PY) -m pytest -q -m "not screenshots" $(PARALLEL)
 
 # The fast tests on every Python x torch x build of noxfile.py (docs/versions.md has the table;
-# 10-20 min and a few GB of downloads per cell). One cell: make test-matrix NOX_ARGS='-s
+# 5-10 min and a few GB of downloads per cell). One cell: make test-matrix NOX_ARGS='-s
 # "tests-3.13(2.13.0-cuda)"'.
 NOX_ARGS ?=
 test-matrix: install

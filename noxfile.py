@@ -35,7 +35,10 @@ PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 # may install (/etc/xdg/pip caps it).
 TORCHES = ["2.8.0", "2.9.1", "2.13.0", "2.14.1"]
 BUILDS = ["cpu", "cuda"]
-FAST = ["-m", "not browser and not slow"]
+# The fast tests in PYTEST_WORKERS processes, a test file to each, as `make test` runs them (the
+# Makefile exports it; 0: in one process).
+WORKERS = os.environ.get("PYTEST_WORKERS", "2")
+FAST = ["-m", "not browser and not slow", "-n", WORKERS, "--dist", "loadfile"]
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 RESULTS = Path(".nox/matrix.tsv")
 NO_WHEEL = "no torch"  # how a cell's detail starts when its torch would not install
