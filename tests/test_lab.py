@@ -8,6 +8,7 @@ process that exits), as a person would, and watched through the REST API only.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -243,6 +244,35 @@ def test_a_detached_run_is_listed_watched_live_and_stopped(lab_server):
     assert again == {"stopped": False, "state": "stopped"}
     # Unchanged since the tag it gave: 304, nothing sent (the panel's poll costs little).
     assert server.status(f"/nblaunch/api/runs/{run_id}?since={detail['tag']}") == 304
+
+
+def test_the_watch_of_a_dead_hosts_run_goes_with_its_directory(tmp_path, monkeypatch):
+    """A run whose host died keeps its watch (what the host sent is all there is) while it is
+    listed, and no longer once its directory was removed."""
+    import signal
+
+    from nblaunch.engine import detached
+    from nblaunch.lab.runs import RunsIndex
+
+    monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(tmp_path / "detached"))
+    monkeypatch.delenv("NBLAUNCH_RUN_DIR", raising=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    run_id = start_detached(work, 3000, 0.05)
+    entry = detached.find(run_id)
+    index = RunsIndex(work)
+    try:
+        assert wait_until(lambda: (index.detail(run_id) or {}).get("view", {}).get("lines"), 60)
+        os.kill(entry.pid, signal.SIGKILL)  # the host dies; its ranks follow it
+        assert wait_until(lambda: index.records()[0]["state"] != "running", 30)
+        assert run_id in index._watches  # no history on disk: the watch is the picture
+        shutil.rmtree(entry.run_dir)
+        assert run_id not in [record["id"] for record in index.records()]
+        assert index._watches == {}
+    finally:
+        index.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(entry.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

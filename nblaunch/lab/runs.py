@@ -135,7 +135,9 @@ class RunsIndex:
     def records(self) -> list[dict[str, Any]]:
         """Every run and pool, as the list shows them: detached ones first, newest first."""
         records, seen = [], set()
-        for entry in self.entries():
+        entries = self.entries()
+        self._forget_unlisted({entry.run_id for entry in entries})
+        for entry in entries:
             records.append(self._entry_record(entry))
             seen.add(entry.run_dir.resolve())
         for run_dir in self.run_dirs():
@@ -309,6 +311,13 @@ class RunsIndex:
         if entry.live_state != RUNNING or not _host_is_ours(entry.pid):
             return {"stopped": False, "state": entry.live_state}  # ended, or ending
         return {"stopped": detached.stop_host(entry), "state": entry.live_state}
+
+    def _forget_unlisted(self, listed: set[str]) -> None:
+        """Let go of the watches of runs no longer listed (their directory was removed): a
+        watch of a host that died keeps what it sent for as long as the run is listed."""
+        with self._lock:
+            for run_id in [run_id for run_id in self._watches if run_id not in listed]:
+                self._watches.pop(run_id).close()
 
     def close(self) -> None:
         with self._lock:
