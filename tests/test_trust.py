@@ -204,8 +204,11 @@ def test_a_node_refuses_settings_it_cannot_authenticate(nodes, tmp_path):
     forging = threading.Thread(target=join_after_the_forgery)
     try:
         forging.start()
+        # The node starts once the settings were forged and must read them before the launcher
+        # gives up: 15 s leaves its start (a Python with torch) room on a loaded machine (8 s
+        # did not once, with 4 test processes on 2 cores).
         with pytest.raises(RendezvousTimeoutError):
-            nodes.launch(quiet_then_chatty, rdzv_timeout=8)
+            nodes.launch(quiet_then_chatty, rdzv_timeout=15)
         forging.join(30)
         (joiner,) = joiners
         assert joiner.wait(30) == 2
