@@ -307,7 +307,7 @@ def test_a_collective_gloo_counts_as_waiting_after_it_completed_gives_way_to_the
     found = process_groups.in_flight("0", 10)
     assert (found.seq, found.shapes) == (11, [[30]])
     beat = heartbeat.HeartbeatThread(0, send=lambda event: None)
-    assert (beat._in_flight(("0", 10), None)["seq"]) == 11
+    assert beat._in_flight(("0", 10), None)["seq"] == 11
     dump["entries"][1]["retired"] = True  # both done: the one asked for, as before
     assert process_groups.in_flight("0", 10).seq == 10
 

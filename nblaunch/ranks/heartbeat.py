@@ -261,7 +261,7 @@ class HeartbeatThread:
             frame = frame.f_back
         del frame
         key = (*pending, tuple(signature))
-        if self._described is None or self._described_key != key:
+        if self._described_key != key:  # () until the first description
             group, seq = pending
             entry = process_groups.in_flight(group, seq)  # None when the recorder is off
             recording = process_groups.recorder_size() != 0
