@@ -59,6 +59,20 @@ def test_ddp_keeps_its_own_all_reduce_and_the_users_hook_and_is_still_checked():
         assert sent >= 12 and lost == 0  # construction broadcasts, 6 steps' all-reduces
 
 
+def checks_and_reader():
+    from nblaunch.ranks import fingerprints, recorder
+
+    return fingerprints.current() is not None, recorder.current() is not None
+
+
+def test_one_rank_has_nobody_to_be_compared_with_and_no_reader():
+    """A one-rank launch (one GPU) keeps the checks on but reads no recorder: every entry would
+    be dropped, and the reads would cost its training loop."""
+    one = notebook_launcher(checks_and_reader, num_processes=1, device_type="cpu", display="none")
+    assert one == [(True, False)]
+    assert launch(checks_and_reader) == [(True, True), (True, True)]
+
+
 def broadcast_from_cpp():
     """A broadcast no Python wrapper sees (the process group's own method, as C++ code calls
     it), with a longer tensor on rank 1: gloo fills its start and returns."""

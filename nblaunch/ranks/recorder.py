@@ -3,14 +3,15 @@
 torch records every collective its process groups issue, from Python or from C++ (DDP's
 gradient all-reduce in ``backward()``, its broadcasts, FSDP's all-gathers), in its flight
 recorder (on for gloo and NCCL while ``TORCH_FR_BUFFER_SIZE`` > 0; nblaunch turns it on,
-:mod:`nblaunch.ranks.process_groups`). While the out-of-band checks are on, a thread of each
-task (:class:`RecorderReader`) looks at the groups' counts 50 times a second and reads the
-entries made since its last read once half the recorder is new or the oldest is a quarter of a
-second old (see ``POLL_S``), and sends each one's fingerprint (operation, input
-sizes, dtypes, its number on its group: ``collective_seq_id``) down the checks' pipe
-(:mod:`nblaunch.ranks.fingerprints`), where the launcher compares them as it compares the
-calls checked in Python (:mod:`nblaunch.engine.checks`). Nothing runs in the training step:
-DDP keeps its own C++ all-reduce, and a user's comm hook stays the one DDP reports.
+:mod:`nblaunch.ranks.process_groups`). While the out-of-band checks are on, in a launch of two
+ranks or more, a thread of each task (:class:`RecorderReader`) looks at the groups' counts 50
+times a second and reads the entries made since its last read once the recorder is nearly full
+of new ones or the oldest is a quarter of a second old (see ``POLL_S``), and sends each one's
+fingerprint (operation, input sizes, dtypes, its number on its group: ``collective_seq_id``)
+down the checks' pipe (:mod:`nblaunch.ranks.fingerprints`), where the launcher compares them
+as it compares the calls checked in Python (:mod:`nblaunch.engine.checks`). Nothing runs in the
+training step: DDP keeps its own C++ all-reduce, and a user's comm hook stays the one DDP
+reports.
 
 An entry issued by a call checked in Python (``dist.all_reduce``, nblaunch's own collectives)
 is sent with that call's facts, so that the report names the call and its line; the entry is
@@ -36,8 +37,9 @@ from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, RECORDED
 
 # How often the thread looks at the groups' counts (a few µs), and when it reads the new entries:
 # a read takes about 5 µs per entry the recorder holds (0.32 ms for 64 on this project's CPU),
-# however few are new, so it waits until half the recorder is new, or the oldest unread entry is
-# ``MAX_LAG_S`` old (a rank that hangs or waits has its last entries read by then).
+# however few are new, so it waits until the recorder is nearly full of new ones (``read``), or
+# the oldest unread entry is ``MAX_LAG_S`` old (a rank that hangs or waits has its last entries
+# read by then).
 POLL_S = 0.02
 MAX_LAG_S = 0.25
 # Each group's count of collectives issued, in the recorder's counts (JSON).
@@ -411,7 +413,9 @@ def current() -> RecorderReader | None:
 
 def _task_hook(context: this_rank.RankContext) -> contextlib.AbstractContextManager[Any]:
     # Registered after fingerprints' hook (worker.RANK_FEATURES): the task's outbox is open.
-    return reading(fingerprints.current())
+    # One rank has nobody to be compared with (no group of it has two ranks): nothing to read,
+    # and a thread dumping the recorder beside a one-GPU training loop would cost it for nothing.
+    return reading(fingerprints.current() if context.world_size > 1 else None)
 
 
 this_rank.add_task_hook(_task_hook)
