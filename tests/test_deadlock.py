@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nblaunch import DistributedHangError
+from nblaunch import DistributedHangError, notebook_launcher
 from nblaunch.engine.deadlock import Counts, Wait, prove, prove_from_beats, wait_of
 from nblaunch.engine.hang import HangMonitor
 from tests.conftest import rank_children, wait_until
@@ -303,6 +303,93 @@ def test_ranks_receiving_from_each_other_are_proven():
     assert f"rank 0: in recv (recv #1 from rank 1, tag 0) at {where}" in text
     assert f"rank 1: in recv (recv #1 from rank 0, tag 0) at {where}" in text
     assert "batch_isend_irecv" in text
+
+
+def pipeline_whose_middle_stage_leaves():
+    """Three stages pass a tensor down 5 times (the middle one posts twice as many sends and
+    receives as the others), then the middle one leaves before the loss's all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(4)
+    for _ in range(5):
+        if rank > 0:
+            dist.recv(t, rank - 1)
+        if rank < stages - 1:
+            dist.send(t, rank + 1)
+    if rank == 1:
+        return
+    dist.all_reduce(t)  # ranks 0 and 2 wait here
+
+
+def test_a_pipeline_stage_is_numbered_by_its_collectives_not_its_sends():
+    """gloo numbers sends and receives with collectives; uneven stages gave the all-reduce #6
+    on the ends and #11 in the middle, and a rank that left no collective was "after 5"."""
+    started = time.monotonic()
+    with pytest.raises(DistributedHangError) as info:
+        notebook_launcher(
+            pipeline_whose_middle_stage_leaves, num_processes=3, device_type="cpu", display="none"
+        )
+    elapsed = time.monotonic() - started
+    text = re.sub(r"[^\s\"]*test_deadlock\.py", "test_deadlock.py", str(info.value))
+    where = file_line(pipeline_whose_middle_stage_leaves, "ranks 0 and 2 wait here")
+    assert text.startswith("rank 1 of 3 returned while ranks 0, 2 wait in a collective"), text
+    assert "rank 1 returned after 0 collectives" in text, text
+    for rank in (0, 2):
+        assert f"rank {rank} waits in all_reduce (collective #1, shapes [[4]]) at {where}" in text
+    assert elapsed < 10, elapsed
+    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+
+
+def posts_then_the_group_made_again():
+    """A send and receive, an all-reduce; the default group destroyed and made again (as the
+    DDP tutorial's set-up and clean-up do in every run), an all-reduce on the new one."""
+    import torch
+    import torch.distributed as dist
+
+    from nblaunch.ranks import process_groups, stacks
+
+    def collectives():
+        return process_groups.group_status()["0"][0], stacks.collective_sequence()
+
+    t = torch.ones(2)
+    (dist.send if dist.get_rank() == 0 else dist.recv)(t, 1 - dist.get_rank())
+    dist.all_reduce(t)
+    first = collectives()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo")
+    dist.all_reduce(t)
+    return first, collectives()
+
+
+def test_a_group_made_again_counts_its_collectives_from_its_start():
+    for first, again in launch(posts_then_the_group_made_again):
+        assert first == (1, 1)
+        assert again == (1, 1)  # not 0: the first group's send or receive is not the new one's
+
+
+def default_group_made_again_then_left():
+    import torch
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    dist.init_process_group("gloo")
+    t = torch.ones(4)
+    for step in range(6):
+        if dist.get_rank() == 1 and step == 3:
+            return
+        dist.all_reduce(t)  # rank 0 waits here
+
+
+def test_a_hang_in_a_default_group_made_again_names_it_as_the_default_group():
+    """The recorder keys its status by its own count of groups made: the default group made
+    again was its group 1, and the hang was reported in "subgroup 1", without shapes."""
+    text, elapsed = proven(default_group_made_again_then_left)
+    where = file_line(default_group_made_again_then_left, "rank 0 waits here")
+    assert "rank 1 returned after 3 collectives" in text, text
+    assert f"rank 0 waits in all_reduce (collective #4, shapes [[4]]) at {where}" in text, text
+    assert elapsed < 10, elapsed
 
 
 def test_hang_timeout_fires_for_a_request_waiting_on_a_stuck_peer():

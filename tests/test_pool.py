@@ -123,6 +123,35 @@ def test_state_and_process_group_persist_across_tasks(pool):
     assert pool.run(os.getpid) == pids
 
 
+def tutorial_ddp(leave_at: int | None = None) -> str:
+    """The PyTorch DDP tutorial's shape: its own set-up and clean-up of the process group in
+    every run; with ``leave_at``, rank 1 leaves the loop at that step."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    model = DDP(torch.nn.Linear(4, 5))
+    for step in range(6):
+        if dist.get_rank() == 1 and step == leave_at:
+            return "left"
+        model(torch.randn(2, 4)).sum().backward()  # rank 0 waits here
+    dist.destroy_process_group()
+    return "done"
+
+
+def test_a_hang_in_a_group_the_last_task_destroyed_and_this_one_made_again(pool):
+    """Each task after the first runs on a default group made again: the flight recorder
+    numbers it apart from its name, and the hang was reported in "subgroup 2", unnamed."""
+    assert pool.run(tutorial_ddp) == ["done", "done"]
+    assert pool.run(tutorial_ddp) == ["done", "done"]
+    with pytest.raises(nblaunch.DistributedHangError) as info:
+        pool.run(tutorial_ddp, 3)
+    text = str(info.value)
+    assert "rank 1 returned after 8 collectives" in text, text
+    assert "rank 0 waits in DDP gradient all-reduce (collective #9, shapes [[25]])" in text, text
+
+
 def test_run_on_some_ranks(pool):
     pool.run(remember, 1)
     assert pool.run_on(1, recall) == [2]

@@ -213,10 +213,10 @@ def test_a_hang_after_a_send_and_receive_names_the_collective_from_the_recorder(
         launch(ddp_after_a_send_and_receive)
     elapsed = time.monotonic() - started
     text = str(info.value)
-    # Collective #11: DDP's 2 broadcasts at construction, the pair, 4 steps' all-reduce and
-    # the bucket rebuild's broadcast, and the all-reduce rank 0 waits in (its entry is #10 in
-    # the recorder's own numbers, #11 in the group's status and the entry's op_id).
-    assert "rank 0 waits in DDP gradient all-reduce (collective #11, shapes [[20]])" in text, text
+    # Collective #10: DDP's 2 broadcasts at construction, 4 steps' all-reduce and the bucket
+    # rebuild's broadcast, and the all-reduce rank 0 waits in; not the send and receive (gloo's
+    # status counts them, #11 there: they are taken out).
+    assert "rank 0 waits in DDP gradient all-reduce (collective #10, shapes [[20]])" in text, text
     assert elapsed < 30, elapsed
     assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
 
@@ -302,11 +302,10 @@ def test_a_collective_gloo_counts_as_waiting_after_it_completed_gives_way_to_the
     (seen once in 30 hangs under load): its recorder marks the finished one retired, and the
     one the rank waits in is named, with its number and shapes."""
 
-    def entry(op_id, sizes, retired):
+    def entry(number, sizes, retired):
         return {
             "process_group": ("0", "default_pg"),
-            "op_id": op_id,
-            "collective_seq_id": op_id - 1,  # gloo's recorder does not count the send
+            "collective_seq_id": number,
             "profiling_name": "gloo:all_reduce",
             "input_sizes": sizes,
             "retired": retired,
@@ -342,6 +341,26 @@ def test_a_collective_described_from_another_stack_is_described_again(monkeypatc
 
     assert next_forward() == "all_reduce"
     assert _engine_run_backward() == "DDP gradient all-reduce"
+
+
+def test_a_group_without_a_default_backend_is_numbered_by_its_backend_for_the_device():
+    """A group made with a backend per device type has no default backend to number it (the
+    default group made again in a rank came out so); its backend for the rank's device does."""
+
+    class Backend:
+        def _get_sequence_number_for_group(self):
+            return 7
+
+    class Group:
+        def _get_sequence_number_for_group(self):
+            raise RuntimeError("ProcessGroup undefined does not yet support sequence numbers.")
+
+        def _get_backend(self, device):
+            assert device.type == "cpu"
+            return Backend()
+
+    assert process_groups.sequence_number(Group()) == 7
+    assert process_groups.sequence_number(object()) is None
 
 
 def test_gloo_says_nothing_of_its_progress(monkeypatch):

@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from nblaunch.ranks import this_rank, waits
+from nblaunch.ranks import process_groups, this_rank, waits
 
 # Bytes a rank may write ahead of the launcher's reading (~20000 calls) before it waits. Not
 # more: a user's pipes share 64 MiB (pipe-user-pages-soft), past which Linux gives a new pipe a
@@ -307,10 +307,8 @@ def learn_offset(claim: Claim, seq: int) -> None:
 
 def _sequence(group: Any) -> int:
     """The process group's sequence number (its last collective's), or -1 where torch has none."""
-    try:
-        return int(group._get_sequence_number_for_group())
-    except Exception:
-        return -1
+    number = process_groups.sequence_number(group)
+    return -1 if number is None else number
 
 
 def current() -> Outbox | None:

@@ -4,9 +4,10 @@ Real training issues most collectives from C++ (DDP's gradient all-reduce in ``b
 bucket rebuild, FSDP's hooks, ``work.wait()``), where no ``torch.distributed`` frame is on the
 Python stack. The process groups themselves count what was issued and what completed, and
 PyTorch's flight recorder (on for gloo and NCCL when ``TORCH_FR_BUFFER_SIZE`` > 0) keeps the last
-collectives with their operation and shapes. :func:`group_status` reads the counts (about
-0.1 ms, so once a heartbeat); :func:`in_flight` reads the recorder's entry for the collective a
-rank waits in and names it as a user knows it ("DDP gradient all-reduce").
+collectives with their operation and shapes. :func:`group_status` reads the counts, and the
+entries for the groups' names (0.36 ms with 64 entries, so once a heartbeat); :func:`in_flight`
+reads the recorder's entry for the collective a rank waits in and names it as a user knows it
+("DDP gradient all-reduce").
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pickle
 import sys
 from dataclasses import dataclass
 from typing import Any
+
+from nblaunch.ranks import this_rank
 
 # Collectives the flight recorder keeps per rank: a hang report needs only the last few.
 FLIGHT_RECORDER_ENTRIES = 64
@@ -59,20 +62,67 @@ def _dumps(**kwargs: Any) -> list[dict[str, Any]]:
     return dumps
 
 
+def sequence_number(group: Any) -> int | None:
+    """``group``'s sequence number (its last collective's, as its backend counts), or ``None``
+    where torch has none.
+
+    A group with a backend per device type (``"cpu:gloo,cuda:nccl"``, and what torch sometimes
+    makes of ``init_process_group("gloo")`` once the default group was destroyed) has no default
+    backend to ask ("ProcessGroup undefined does not yet support sequence numbers"): its
+    backend for this rank's device is asked instead.
+    """
+    try:
+        return int(group._get_sequence_number_for_group())
+    except Exception:
+        pass
+    try:
+        return int(group._get_backend(this_rank.device())._get_sequence_number_for_group())
+    except Exception:
+        return None
+
+
 def group_status() -> dict[str, tuple[int, int]] | None:
     """Per process group (by name, ``"0"`` is the default group): the number of the last
     collective issued and of the last one completed. ``None`` without a process group.
 
     A group whose last issued collective is past its last completed one has work in flight.
+    Collectives only: gloo's counts take in its sends and receives, which are taken out again
+    (:func:`nblaunch.ranks.waits.posted_in_sequence`), so that ranks that post unevenly (a
+    pipeline's stages) give the same number to the same collective, as its recorder does.
     """
+    from nblaunch.ranks.waits import posted_in_sequence
+
     status: dict[str, tuple[int, int]] = {}
-    for dump in _dumps(includeCollectives=False, includeStackTraces=False):
-        for name, group in (dump.get("pg_status") or {}).items():
-            issued = int(group.get("last_enqueued_collective", -1))
-            done = int(group.get("last_completed_collective", -1))
-            old = status.get(str(name), (-1, -1))
-            status[str(name)] = (max(old[0], issued), max(old[1], done))
+    for recorder, dump in enumerate(_dumps(includeCollectives=True, includeStackTraces=False)):
+        for name, group in _status_by_name(recorder, dump).items():
+            posted = posted_in_sequence(name)
+            issued = int(group.get("last_enqueued_collective", -1)) - posted
+            done = max(int(group.get("last_completed_collective", -1)) - posted, -1)
+            old = status.get(name, (-1, -1))
+            status[name] = (max(old[0], issued), max(old[1], done))
     return status or None
+
+
+# (recorder, its number of a process group) -> the group's name. A recorder keys its status by
+# its own numbers, which count the groups made in the process; their entries name them. The two
+# part when a group is made again (the default group destroyed and made again is named "0"
+# again, with the next number) and for names that are not numbers.
+_group_names: dict[tuple[int, str], str] = {}
+
+
+def _status_by_name(recorder: int, dump: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A recorder's status of each group, by the group's name: of the newest group where two
+    had one name (the older one was destroyed; its status stays in the recorder)."""
+    for entry in dump.get("entries") or []:
+        name = str((entry.get("process_group") or ("",))[0])
+        _group_names[(recorder, str(entry.get("pg_id")))] = name
+    newest: dict[str, tuple[int, dict[str, Any]]] = {}
+    for key, group in (dump.get("pg_status") or {}).items():
+        name = _group_names.get((recorder, str(key)), str(key))
+        number = int(key) if str(key).isdigit() else -1
+        if name not in newest or newest[name][0] < number:
+            newest[name] = (number, group)
+    return {name: group for name, (_, group) in newest.items()}
 
 
 def pending(
@@ -116,34 +166,39 @@ def in_flight(group: str, seq: int) -> InFlight | None:
     """The flight recorder's entry for collective ``seq`` on ``group``; ``None`` when the
     recorder is off or no longer holds it.
 
-    ``seq`` is the number :func:`group_status` gives: gloo counts its sends and receives there
-    (and in an entry's ``op_id``), its entries' ``collective_seq_id`` does not, so a gloo entry
-    is found by its ``op_id``. Where the recorder marks that collective retired (completed)
-    while a later one is not, the later one is returned: gloo's count of completed collectives
-    can stay one behind while the next one waits (seen once in 30 hangs under load, the
-    entry retired and the count not).
+    ``seq`` is the number :func:`group_status` gives, the entry's ``collective_seq_id``.
+    Where the recorder marks that collective retired (completed) while a later one is not, the
+    later one is returned: gloo's count of completed collectives can stay one behind while the
+    next one waits (seen once in 30 hangs under load, the entry retired and the count not).
 
     Read without the issuing stacks: symbolising them takes a second on first use, and the
     waiting thread's own stack says the same.
     """
-    for dump in _dumps(includeCollectives=True, includeStackTraces=False):
+    for recorder, dump in enumerate(_dumps(includeCollectives=True, includeStackTraces=False)):
+        entries = [
+            entry
+            for entry in dump.get("entries") or []
+            if str((entry.get("process_group") or ("",))[0]) == group
+        ]
+        # The newest group of that name (an older one made its own numbers; see _group_names).
+        newest = max((int(entry.get("pg_id", -1)) for entry in entries), default=-1)
         numbered: dict[int, dict[str, Any]] = {}  # this group's entries from seq on
-        for entry in dump.get("entries") or []:
-            name = str((entry.get("process_group") or ("",))[0])
-            number = int(entry.get(_number_key(entry), -1))
-            if name == group and number >= seq:
+        for entry in entries:
+            number = int(entry.get("collective_seq_id", -1))
+            # (NCCL records sends and receives too, under the last collective's number)
+            if number >= seq and int(entry.get("pg_id", -1)) == newest and not entry.get("is_p2p"):
                 numbered[number] = entry
         entry = numbered.get(seq)
         if entry is None:
             continue
         if entry.get("retired"):
-            later = [n for n, e in numbered.items() if not e.get("retired") and not e.get("is_p2p")]
+            later = [n for n, e in numbered.items() if not e.get("retired")]
             if later:
                 seq = min(later)
                 entry = numbered[seq]
         desc = str([*(entry.get("process_group") or ()), "", ""][1])
         backend, _, operation = str(entry.get("profiling_name", "")).rpartition(":")
-        status = (dump.get("pg_status") or {}).get(group) or {}
+        status = _status_by_name(recorder, dump).get(group) or {}
         return InFlight(
             group,
             desc,
@@ -153,12 +208,6 @@ def in_flight(group: str, seq: int) -> InFlight | None:
             _progress(backend, seq, status),
         )
     return None
-
-
-def _number_key(entry: dict[str, Any]) -> str:
-    """The key of an entry's number as :func:`group_status` counts: gloo's ``op_id``."""
-    gloo = str(entry.get("profiling_name", "")).startswith("gloo:")
-    return "op_id" if gloo and "op_id" in entry else "collective_seq_id"
 
 
 def _progress(backend: str, seq: int, status: dict[str, Any]) -> str:

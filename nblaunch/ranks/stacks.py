@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from types import FrameType
 
 from nblaunch.ranks import worker
+from nblaunch.ranks.process_groups import sequence_number
+from nblaunch.ranks.waits import posted_in_sequence
 
 # Longest stack text a heartbeat carries (a deep stack of many threads is cut).
 MAX_STACK_CHARS = 20_000
@@ -191,6 +193,10 @@ def collective_sequence() -> int | None:
         if not dist.is_available() or not dist.is_initialized():
             return None
         group = dist.distributed_c10d._get_default_group()
-        return int(group._get_sequence_number_for_group())
     except Exception:
         return None
+    number = sequence_number(group)
+    if number is None:
+        return None
+    # gloo's number takes in sends and receives: out again (process_groups.group_status)
+    return number - posted_in_sequence(group.group_name)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,9 +37,11 @@ _requests: dict[int, tuple[Any, PointToPoint]] = {}  # id(work) -> (work, what i
 _waiting: dict[int, PointToPoint] = {}  # thread ident -> the request it waits on
 _groups: dict[int, tuple[Any, str, list[int], bool]] = {}  # id(pg) -> (pg, name, ranks, tags)
 _total = 0  # operations posted in this task, all kinds
-# group name -> operations posted on it in this process, every task (never cleared): gloo counts
-# them in the group's sequence number, its flight recorder does not (ranks/recorder.py)
-_posted_by_group: dict[str, int] = {}
+# group name -> (a weak reference to the group, operations posted on it in this process in every
+# task, whether its backend is gloo): gloo counts them in the group's sequence number, its flight
+# recorder does not (ranks/recorder.py). A group made again under the name (the default group,
+# destroyed and made again) counts from 0, as its sequence number does.
+_posted_by_group: dict[str, tuple[Any, int, bool]] = {}
 # Work.wait while a request is outstanding (see _watch_waits); None outside a task.
 _work_class: Any = None
 _original_wait: Any = None
@@ -67,7 +70,10 @@ def _post(pg: Any, direction: str, group_peer: int, tag: int, work: Any) -> None
     key = (direction, name, peer, tag if tags else None)
     with _lock:
         count = _posted[key] = _posted.get(key, 0) + 1
-        _posted_by_group[name] = _posted_by_group.get(name, 0) + 1
+        counted = _posted_by_group.get(name)
+        if counted is None or counted[0]() is not pg:
+            counted = (weakref.ref(pg), 0, tags)  # (tags: gloo, the only backend matching them)
+        _posted_by_group[name] = (counted[0], counted[1] + 1, tags)
         _total += 1
         if work is not None:
             if len(_requests) >= MAX_REQUESTS:
@@ -193,8 +199,28 @@ def label(wait: PointToPoint, called: str | None) -> str:
 
 
 def posted_on(group: str) -> int:
-    """Point-to-point operations posted on ``group`` by this process so far (every task)."""
-    return _posted_by_group.get(group, 0)
+    """Point-to-point operations posted on ``group`` by this process so far (every task), on the
+    group now of that name (0 when that one was destroyed: a new one counts again)."""
+    counted = _posted_by_group.get(group)
+    if counted is None:
+        return 0
+    pg = counted[0]()
+    try:
+        import torch.distributed as dist
+
+        alive = pg is not None and pg in dist.distributed_c10d._world.pg_names
+    except Exception:  # a torch without the registry: trust the reference
+        alive = pg is not None
+    return counted[1] if alive else 0
+
+
+def posted_in_sequence(group: str) -> int:
+    """The point-to-point operations posted on ``group`` that its sequence numbers count: gloo
+    numbers its sends and receives with its collectives (its ``pg_status`` counts and its
+    entries' ``op_id``; not their ``collective_seq_id``), so these are subtracted where a rank
+    says how many collectives it issued: a pipeline's middle stage posts twice as many."""
+    counted = _posted_by_group.get(group)
+    return posted_on(group) if counted is not None and counted[2] else 0
 
 
 def posted_total() -> int:
