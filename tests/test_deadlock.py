@@ -10,7 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 from nblaunch import DistributedHangError, notebook_launcher
-from nblaunch.engine.deadlock import Counts, Wait, prove, prove_from_beats, wait_of
+from nblaunch.engine.deadlock import (
+    Counts,
+    Wait,
+    describe_need,
+    prove,
+    prove_from_beats,
+    wait_of,
+)
 from nblaunch.engine.hang import HangMonitor
 from tests.conftest import rank_children, wait_until
 from tests.test_watchdog import FakeRun, launch, line_of
@@ -28,6 +35,17 @@ def counts(collectives=None, **posted):
 
 
 # --- the proof ------------------------------------------------------------------------------------
+
+
+def test_a_group_with_a_description_is_named_by_it_too():
+    """A device mesh's groups are numbered by torch ("4") and described by the mesh ("mesh_tp"):
+    what a rank needs names both, as its position names the description."""
+    beat = {"collective": "all_reduce", "still_s": 2.0}
+    described = wait_of({**beat, "in_flight": {"group": "4", "seq": 3, "group_desc": "mesh_tp"}})
+    plain = wait_of({**beat, "in_flight": {"group": "1", "seq": 3, "group_desc": "undefined"}})
+    needs = describe_need(2, described, {3}, {3: counts({"4": 2})})
+    assert needs == "rank 3, which issued 2 collectives on group 4 (mesh_tp)"
+    assert describe_need(0, plain, {1}, {1: counts({"1": 2})}).endswith("on group 1")
 
 
 def test_collectives_of_different_groups_are_proven():

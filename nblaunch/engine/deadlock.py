@@ -41,6 +41,7 @@ class Wait:
     n: int  # its number on the group (collective) or among posts to the same peer and tag
     peer: int = -1  # send/recv: the peer's global rank; -1 a receive from any source
     tag: int | None = None  # send/recv: the tag, None where the backend ignores tags
+    desc: str = ""  # the group's description where it was given one (a device mesh's "mesh_tp")
 
 
 @dataclass
@@ -60,7 +61,8 @@ def wait_of(beat: Mapping[str, Any], settle_s: float = SETTLE_S) -> Wait | None:
         return Wait(p2p["op"], str(p2p["group"]), int(p2p["n"]), int(p2p["peer"]), p2p["tag"])
     in_flight = beat.get("in_flight")
     if in_flight:
-        return Wait("collective", str(in_flight["group"]), int(in_flight["seq"]))
+        desc = str(in_flight.get("group_desc") or "")
+        return Wait("collective", str(in_flight["group"]), int(in_flight["seq"]), desc=desc)
     return None
 
 
@@ -156,14 +158,18 @@ def prove_from_beats(
 # --- saying it -----------------------------------------------------------------------------------
 
 
-def group_words(group: str) -> str:
-    return "the default group" if group == DEFAULT_GROUP else f"group {group}"
+def group_words(group: str, desc: str = "") -> str:
+    """``"the default group"``, ``"group 1"``, ``"group 4 (mesh_tp)"``."""
+    if group == DEFAULT_GROUP:
+        return "the default group"
+    named = desc and desc not in ("undefined", group)  # new_group() without a description
+    return f"group {group} ({desc})" if named else f"group {group}"
 
 
 def describe_wait(wait: Wait) -> str:
     """``"recv #1 from rank 1 (tag 0)"``, ``"collective #3 of group 1"``."""
     if wait.kind == "collective":
-        return f"collective #{wait.n} of {group_words(wait.group)}"
+        return f"collective #{wait.n} of {group_words(wait.group, wait.desc)}"
     where = "from" if wait.kind == "recv" else "to"
     peer = "any rank" if wait.peer < 0 else f"rank {wait.peer}"
     text = f"{wait.kind} #{wait.n} {where} {peer}"
@@ -183,7 +189,7 @@ def describe_need(rank: int, wait: Wait, need: set[int], counts: Mapping[int, Co
             issued = (peer.collectives or {}).get(wait.group, 0)
             parts.append(
                 f"rank {other}, which issued {issued} collective{'s' if issued != 1 else ''} "
-                f"on {group_words(wait.group)}"
+                f"on {group_words(wait.group, wait.desc)}"
             )
         elif wait.kind == "recv":
             sent = peer.posted.get(("send", wait.group, rank, wait.tag), 0)
