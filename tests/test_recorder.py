@@ -347,6 +347,8 @@ def test_a_group_without_a_default_backend_is_numbered_by_its_backend_for_the_de
     """A group made with a backend per device type has no default backend to number it (the
     default group made again in a rank came out so); its backend for the rank's device does."""
 
+    from nblaunch.ranks import this_rank
+
     class Backend:
         def _get_sequence_number_for_group(self):
             return 7
@@ -356,10 +358,12 @@ def test_a_group_without_a_default_backend_is_numbered_by_its_backend_for_the_de
             raise RuntimeError("ProcessGroup undefined does not yet support sequence numbers.")
 
         def _get_backend(self, device):
-            assert device.type == "cpu"
+            asked.append(device)
             return Backend()
 
+    asked = []
     assert process_groups.sequence_number(Group()) == 7
+    assert asked == [this_rank.device()]
     assert process_groups.sequence_number(object()) is None
 
 
