@@ -387,6 +387,29 @@ def test_a_group_made_again_counts_its_collectives_from_its_start():
         assert again == (1, 1)  # not 0: the first group's send or receive is not the new one's
 
 
+def subgroup_left():
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1])
+    t = torch.ones(3)
+    for step in range(4):
+        if dist.get_rank() == 1 and step == 2:
+            return
+        dist.all_reduce(t, group=group)  # rank 0 waits here
+
+
+def test_a_rank_that_left_a_subgroups_loop_is_counted_on_that_subgroup():
+    """The count of what the rank that left issued was its default group's: "after 0
+    collectives" beside "collective #3 of subgroup 1"."""
+    text, elapsed = proven(subgroup_left)
+    where = file_line(subgroup_left, "rank 0 waits here")
+    assert "rank 1 returned after 2 collectives on subgroup 1;" in text, text
+    waits = f"rank 0 waits in all_reduce (collective #3 of subgroup 1, shapes [[3]]) at {where}"
+    assert waits in text, text
+    assert elapsed < 10, elapsed
+
+
 def default_group_made_again_then_left():
     import torch
     import torch.distributed as dist

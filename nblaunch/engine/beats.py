@@ -53,6 +53,14 @@ class Beat:
             return groups[group]
         return self.event["seq"] if group == process_groups.DEFAULT_GROUP else None
 
+    def group_words(self) -> str:
+        """The group this rank waits in, as its position names it: ``"subgroup mesh_tp"``."""
+        group = self.waiting_for()[0]
+        if group == process_groups.DEFAULT_GROUP:
+            return "the default group"
+        desc = (self.event.get("in_flight") or {}).get("group_desc") or group
+        return f"subgroup {group if desc == 'undefined' else desc}"  # new_group() without a name
+
     def position(self) -> str:
         event = self.event
         where = with_source(event["where"])
@@ -65,9 +73,7 @@ class Beat:
             number = f"collective #{seq}" if seq else ""
             in_flight = event.get("in_flight")
             if number and group != process_groups.DEFAULT_GROUP:
-                desc = (in_flight or {}).get("group_desc") or group
-                desc = group if desc == "undefined" else desc  # new_group() without a name
-                number += f" of subgroup {desc}"
+                number += f" of {self.group_words()}"
             if in_flight and in_flight.get("shapes") == [[RECORD_BYTES]]:
                 # debug mode's own all_gather of records: its buffer is not the user's tensor
                 if not str(event["collective"]).startswith("debug mode's check"):

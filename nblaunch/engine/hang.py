@@ -208,9 +208,13 @@ class HangMonitor:
         returned = sorted(self.returned, key=self.returned.get)  # type: ignore[arg-type]
         first = returned[0]
         n = self.world_size
+        beat = self.beats[waiting[0]]
+        group = beat.waiting_for()[0]
+        # what the returned ranks issued on the group the waiting rank waits in
+        on = "" if group == process_groups.DEFAULT_GROUP else f" on {beat.group_words()}"
         done_text = ", ".join(
             f"rank {r} {'exited' if r in self.exited else 'returned'} after "
-            f"{_count(self.final_seq.get(r))}"
+            f"{_count(self._final_issued(r, group))}{on}"
             for r in returned
         )
         wait_text = "; ".join(
@@ -223,8 +227,6 @@ class HangMonitor:
             f"rank {first} of {n} {left} while {_rank_words(waiting)} "
             f"{'waits' if len(waiting) == 1 else 'wait'} in a collective it never called"
         )
-        beat = self.beats[waiting[0]]
-        group = beat.waiting_for()[0]
         fewer = _fewer(first, waiting[0], self._final_issued(first, group), beat.issued(group))
         message = f"{headline}: {done_text}; {wait_text}.{fewer}\n{PARTED}"
         if any(str(self.beats[r].event["collective"]).startswith("DDP") for r in waiting):
