@@ -304,6 +304,64 @@ def test_checks_leave_ddp_gradients_as_they_were_on_three_ranks():
     assert notebook_launcher(three_rank_gradients, **options) == plain
 
 
+def pipeline_1f1b(steps: int, leaves_at: int | None = None) -> str:
+    """torch.distributed.pipelining as its docs use it: one stage of two layers per rank, a
+    1F1B schedule of 4 micro-batches, the loss summed for logging; with ``leaves_at``, the last
+    stage leaves at that step."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(2 * stages)]
+    mine = nn.Sequential(*layers[2 * rank : 2 * rank + 2])
+    micro = torch.randn(2, 16)  # a micro-batch's shape: no shape inference over gloo
+    stage = PipelineStage(mine, rank, stages, torch.device("cpu"), (micro,), (micro,))
+    last = rank == stages - 1
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=nn.MSELoss() if last else None)
+    optimizer = torch.optim.SGD(mine.parameters(), lr=0.01)
+    inputs, targets = torch.randn(8, 16), torch.randn(8, 16)
+    for step in range(steps):
+        if last and step == leaves_at:
+            return "left"
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(inputs)  # rank 0 waits here
+        elif last:
+            schedule.step(target=targets, losses=[])
+        else:
+            schedule.step()  # rank 1 waits here
+        optimizer.step()
+        dist.all_reduce(torch.tensor(float(rank)))
+    return "done"
+
+
+def test_a_pipeline_schedule_runs_checked_and_a_stage_that_left_is_proven_in_seconds():
+    """Three stages: the default checks pass the schedule's batched sends and receives and the
+    loss's all-reduce; a last stage that leaves is proven from the chain of sends that wait."""
+    options = {"num_processes": 3, "device_type": "cpu", "display": "none", "timeout": 60}
+    assert notebook_launcher(pipeline_1f1b, (4,), **options) == ["done"] * 3
+    started = time.monotonic()
+    with pytest.raises(DistributedHangError) as info:
+        notebook_launcher(pipeline_1f1b, (4, 2), **options)
+    elapsed = time.monotonic() - started
+    text = shown(str(info.value))
+    # Rank 1's wait on the stage that left is proven; rank 0's on rank 1 with it, once settled.
+    assert re.match(r"(rank 1 of 3 waits|ranks 0, 1 of 3 wait) in calls that can never", text)
+    line = line_of(pipeline_1f1b, "rank 1 waits here")
+    assert re.search(
+        r"rank 1: in isend\(\)\.wait\(\) \(send #\d+ to rank 2, tag 0\) at "
+        rf"test_real_training\.py:{line} in pipeline_1f1b: .*; needs rank 2, which posted \d+ "
+        "receives from it",
+        text,
+    ), text
+    assert "rank 2: returned" in text
+    assert elapsed < 15, elapsed
+    assert_nothing_left()
+
+
 def test_in_a_kernel_a_rank_that_left_a_ddp_loop_fails_the_cell_with_its_line(kernel):
     cell = kernel.run(
         "import torch, torch.distributed as dist\n"
