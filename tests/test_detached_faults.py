@@ -147,6 +147,42 @@ def test_in_a_kernel_the_launch_cells_view_of_a_full_disk_run_gets_every_line(
 
 
 @pytest.mark.slow
+def test_an_outcome_file_is_whole_or_not_there(tmp_path, monkeypatch):
+    """The host writes its outcome beside the file and renames it over: a notebook that attaches
+    while the host writes it (or retries it on a full disk) never reads a part of it, which it
+    would take for a lost run; a write the disk cuts short leaves what was there."""
+    import errno
+    import stat
+
+    from nblaunch.host import outcome
+
+    path = tmp_path / host_files.RESULT_FILE
+    outcome.write_private(path, b"old")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+    class CutShort:  # a disk that fills up half-way through the write
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            self.file.write(data[: len(data) // 2])
+            self.file.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: CutShort(fdopen(fd, mode)))
+    with pytest.raises(OSError, match="No space left"):
+        outcome.write_private(path, b"the new outcome")
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == [host_files.RESULT_FILE]  # nothing left over
+
+
 def test_a_held_outcome_is_written_once_the_disk_has_room_and_the_host_ends(
     registry, full_disk, monkeypatch
 ):

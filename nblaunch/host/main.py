@@ -117,18 +117,14 @@ def write_outcome(run_dir: Path, blob: bytes, hub: EventHub) -> bool:
     """Leave the outcome and the view's history in ``run_dir``; False when the disk refused the
     outcome (the history is best effort: a view of the ended run then shows the rank logs)."""
     try:
-        write_private(run_dir / host_files.RESULT_FILE, blob)
+        write_private(run_dir / host_files.RESULT_FILE, blob)  # whole or none: never half
     except OSError as exc:
         say(f"run host {os.getpid()}: {host_files.RESULT_FILE} could not be written ({exc})")
-        with contextlib.suppress(OSError):
-            (run_dir / host_files.RESULT_FILE).unlink()  # no half file: it would read as lost
         return False
     try:
         write_private(run_dir / host_files.HISTORY_FILE, pickle.dumps(hub.history.events()))
     except OSError as exc:
         say(f"run host {os.getpid()}: {host_files.HISTORY_FILE} could not be written ({exc})")
-        with contextlib.suppress(OSError):
-            (run_dir / host_files.HISTORY_FILE).unlink()
     return True
 
 

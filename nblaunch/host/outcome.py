@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,16 @@ def pickled(outcome: dict[str, Any], world_size: int) -> bytes:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path``, readable by this user only (0600 from the start)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as file:
-        file.write(data)
+    """Write ``data`` to ``path``, readable by this user only (0600 from the start), whole or
+    not at all: written beside it and renamed over it. A notebook that attaches while the host
+    writes (or, on a full disk, retries) its outcome would take a part of it for a lost run."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
