@@ -86,7 +86,6 @@ class Route:
 
     __slots__ = (
         "calls",
-        "gloo",
         "group",
         "index",
         "members",
@@ -105,10 +104,6 @@ class Route:
         self.stream = stream
         self.group = group  # the process group
         self.recorded: Route | None = None  # the same group's route for the recorder's entries
-        self.gloo = False
-        if group is not None:
-            with contextlib.suppress(Exception):
-                self.gloo = "gloo" in str(_dist().get_backend(group)).lower()
 
 
 class Claim:
@@ -204,7 +199,7 @@ class Outbox:
         # not interleave their bytes, and the numbers must go out in order.
         with self._lock:
             route.calls += 1
-            seq, posted = _sequence(route.group), waits.posted_on(route.name)
+            seq, posted = _sequence(route.group), waits.posted_in_sequence(route.name)
             predicted = -1
             if seq >= 0 and self.predicting:
                 # The recorder's number this call should have, sent with it, before the
@@ -212,7 +207,7 @@ class Outbox:
                 # reader then never sends the entry.
                 offset = _offsets.get(route.name)
                 if offset is None or offset[1] != posted:  # gloo counts its sends, its recorder not
-                    offset = (-posted if route.gloo else 0, posted)
+                    offset = (-posted, posted)
                 predicted = seq + 1 + offset[0]
             index = self._send(route, route.calls, facts, predicted)
             if index is None:

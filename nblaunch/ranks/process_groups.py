@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nblaunch.ranks import this_rank
+from nblaunch.ranks.waits import posted_in_sequence
 
 # Collectives the flight recorder keeps per rank: a hang report needs only the last few.
 FLIGHT_RECORDER_ENTRIES = 64
@@ -90,8 +91,6 @@ def group_status() -> dict[str, tuple[int, int]] | None:
     (:func:`nblaunch.ranks.waits.posted_in_sequence`), so that ranks that post unevenly (a
     pipeline's stages) give the same number to the same collective, as its recorder does.
     """
-    from nblaunch.ranks.waits import posted_in_sequence
-
     status: dict[str, tuple[int, int]] = {}
     for recorder, dump in enumerate(_dumps(includeCollectives=True, includeStackTraces=False)):
         for name, group in _status_by_name(recorder, dump).items():

@@ -198,11 +198,15 @@ def label(wait: PointToPoint, called: str | None) -> str:
     return "isend().wait()" if wait["op"] == "send" else "irecv().wait()"
 
 
-def posted_on(group: str) -> int:
-    """Point-to-point operations posted on ``group`` by this process so far (every task), on the
-    group now of that name (0 when that one was destroyed: a new one counts again)."""
+def posted_in_sequence(group: str) -> int:
+    """The point-to-point operations posted on ``group`` (by this process, in every task) that
+    its sequence numbers count: gloo numbers its sends and receives with its collectives (its
+    ``pg_status`` counts and its entries' ``op_id``; not their ``collective_seq_id``), so these
+    are subtracted where a rank says how many collectives it issued: a pipeline's middle stage
+    posts twice as many. 0 on other backends, and once the group of that name was destroyed (a
+    new one counts again)."""
     counted = _posted_by_group.get(group)
-    if counted is None:
+    if counted is None or not counted[2]:
         return 0
     pg = counted[0]()
     try:
@@ -212,15 +216,6 @@ def posted_on(group: str) -> int:
     except Exception:  # a torch without the registry: trust the reference
         alive = pg is not None
     return counted[1] if alive else 0
-
-
-def posted_in_sequence(group: str) -> int:
-    """The point-to-point operations posted on ``group`` that its sequence numbers count: gloo
-    numbers its sends and receives with its collectives (its ``pg_status`` counts and its
-    entries' ``op_id``; not their ``collective_seq_id``), so these are subtracted where a rank
-    says how many collectives it issued: a pipeline's middle stage posts twice as many."""
-    counted = _posted_by_group.get(group)
-    return posted_on(group) if counted is not None and counted[2] else 0
 
 
 def posted_total() -> int:
