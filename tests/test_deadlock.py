@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nblaunch import DistributedHangError, notebook_launcher
+from nblaunch import DistributedHangError
 from nblaunch.engine.deadlock import (
     Counts,
     Wait,
@@ -344,20 +344,13 @@ def pipeline_whose_middle_stage_leaves():
 def test_a_pipeline_stage_is_numbered_by_its_collectives_not_its_sends():
     """gloo numbers sends and receives with collectives; uneven stages gave the all-reduce #6
     on the ends and #11 in the middle, and a rank that left no collective was "after 5"."""
-    started = time.monotonic()
-    with pytest.raises(DistributedHangError) as info:
-        notebook_launcher(
-            pipeline_whose_middle_stage_leaves, num_processes=3, device_type="cpu", display="none"
-        )
-    elapsed = time.monotonic() - started
-    text = re.sub(r"[^\s\"]*test_deadlock\.py", "test_deadlock.py", str(info.value))
+    text, elapsed = proven(pipeline_whose_middle_stage_leaves, num_processes=3)
     where = file_line(pipeline_whose_middle_stage_leaves, "ranks 0 and 2 wait here")
     assert text.startswith("rank 1 of 3 returned while ranks 0, 2 wait in a collective"), text
     assert "rank 1 returned after 0 collectives" in text, text
     for rank in (0, 2):
         assert f"rank {rank} waits in all_reduce (collective #1, shapes [[4]]) at {where}" in text
     assert elapsed < 10, elapsed
-    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
 
 
 def posts_then_the_group_made_again():

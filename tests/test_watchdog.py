@@ -37,7 +37,8 @@ def shown(text: str) -> str:
 
 def launch(function, args=(), **kwargs):
     kwargs.setdefault("display", "none")
-    return notebook_launcher(function, args, num_processes=2, device_type="cpu", **kwargs)
+    kwargs.setdefault("num_processes", 2)
+    return notebook_launcher(function, args, device_type="cpu", **kwargs)
 
 
 # --- a stand-in for torch.distributed, found by file name like the real one ---------------------
