@@ -152,8 +152,8 @@ def run_accelerate(mode: str, reduce: str) -> dict:
 
 
 def run_nblaunch(mode: str) -> dict:
-    from nblaunch.engine.plan import plan_launch, serialize_payload
-    from nblaunch.engine.run import Run
+    from nblaunch.engine.plan.launch_plan import plan_launch, serialize_payload
+    from nblaunch.engine.run.run import Run
     from nblaunch.options import LaunchOptions
 
     class Recorder:

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine.plan import CPU_RANKS_PER_CORE
+from nblaunch.engine.plan.launch_plan import CPU_RANKS_PER_CORE
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "bench_scale.md"

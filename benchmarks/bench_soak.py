@@ -52,8 +52,8 @@ SETUP = """
 import gc, json, os, threading, time
 import psutil
 import nblaunch
-import nblaunch.engine.detached
-import nblaunch.engine.spares
+import nblaunch.engine.detached.registry
+import nblaunch.engine.processes.spares
 from multiprocessing import forkserver, resource_tracker
 %load_ext nblaunch
 
@@ -84,7 +84,7 @@ me = psutil.Process()  # one object: cpu_percent() is the share since its last c
 
 def ranks_rss(pid):
     helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
-    helpers.update(nblaunch.engine.spares.pids())
+    helpers.update(nblaunch.engine.processes.spares.pids())
     total = 0
     for p in psutil.Process(pid).children(recursive=True):
         try:
@@ -95,7 +95,7 @@ def ranks_rss(pid):
     return total / 2**20
 
 def count(host=0):
-    from nblaunch.engine import supervisor
+    from nblaunch.engine.processes import supervisor
     for _, _, process in list(supervisor._leaving):  # ranks let go, still exiting: not counted
         process.join(5.0)
     gc.collect()
@@ -180,7 +180,7 @@ def attach(kernel: Kernel, size: dict) -> tuple[Soak, int]:
         "h = nblaunch.notebook_launcher(printer, (3600,), num_processes=2, detach=True, "
         "display='none')\nwhile not (h.run_dir / 'rank1.log').stat().st_size if "
         "(h.run_dir / 'rank1.log').exists() else True: time.sleep(0.1)\n"
-        "print(h.id, nblaunch.engine.detached.find(h.id).pid)",
+        "print(h.id, nblaunch.engine.detached.registry.find(h.id).pid)",
         timeout=120,
     )
     run_id, host = out.split()[-2], int(out.split()[-1])

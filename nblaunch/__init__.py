@@ -47,7 +47,7 @@ from nblaunch.ranks.this_rank import (
 from nblaunch.ranks.trigger import check_trigger, set_trigger
 
 if TYPE_CHECKING:
-    from nblaunch.engine.metrics_files import load_metrics
+    from nblaunch.engine.output.metrics_files import load_metrics
     from nblaunch.notebook.handle import RunHandle, attach, runs
     from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
     from nblaunch.notebook.pool import Pool
@@ -62,7 +62,7 @@ _FRONT_ENDS = {
     "debug_launcher": "nblaunch.notebook.launcher",
     "Pool": "nblaunch.notebook.pool",
     "start_pool": "nblaunch.notebook.pool_start",
-    "load_metrics": "nblaunch.engine.metrics_files",
+    "load_metrics": "nblaunch.engine.output.metrics_files",
     "RunHandle": "nblaunch.notebook.handle",
     "runs": "nblaunch.notebook.handle",
     "attach": "nblaunch.notebook.handle",
@@ -133,7 +133,7 @@ __all__ = [
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nblaunch``: register the ``%%distributed`` and ``%dist`` magics."""
-    from nblaunch.engine.supervisor import warm_up_if_interactive
+    from nblaunch.engine.processes.supervisor import warm_up_if_interactive
     from nblaunch.notebook.magics import register
 
     register(ipython)
@@ -149,7 +149,7 @@ def unload_ipython_extension(ipython: Any) -> None:
 # In a notebook, the first launch should not wait for the ranks' forkserver to import torch, and
 # the front ends are wanted anyway. Ranks, scripts and torchrun import only what they use.
 if "IPython" in sys.modules:
-    from nblaunch.engine.supervisor import warm_up_if_interactive
+    from nblaunch.engine.processes.supervisor import warm_up_if_interactive
     from nblaunch.notebook import launcher as _launcher
     from nblaunch.notebook import pool as _pool
     from nblaunch.notebook import pool_start as _pool_start

@@ -1,7 +1,7 @@
 """The ``nblaunch`` command.
 
 ``nblaunch env [--hostfile FILE]`` prints the environment report (see
-:mod:`nblaunch.engine.doctor`) and checks the hostfile's hosts (:mod:`nblaunch.cluster.hosts`);
+:mod:`nblaunch.engine.plan.doctor`) and checks the hostfile's hosts (:mod:`nblaunch.cluster.hosts`);
 ``nblaunch run SCRIPT -n N [-- ARGS...]`` runs a script on N ranks through ``notebook_launcher``,
 with every rank's output prefixed and the failing rank's own error at the end.
 
@@ -47,7 +47,7 @@ def add_env_command(subparsers: Subparsers) -> None:
 
 
 def run_env(args: argparse.Namespace) -> int:
-    from nblaunch.engine import doctor
+    from nblaunch.engine.plan import doctor
 
     sys.stdout.write(doctor.report())
     if args.hostfile is None:
@@ -162,7 +162,7 @@ def add_runs_command(subparsers: Subparsers) -> None:
 def run_runs(args: argparse.Namespace) -> int:
     import time
 
-    from nblaunch.engine import detached
+    from nblaunch.engine.detached import registry as detached
     from nblaunch.errors import LaunchError
 
     if args.action == "list":

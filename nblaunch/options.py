@@ -17,7 +17,7 @@ import string
 
 from nblaunch.errors import LaunchError
 
-# How ranks are started (see nblaunch.engine.supervisor): the first is the default.
+# How ranks are started (see nblaunch.engine.processes.supervisor): the first is the default.
 START_METHODS = ("forkserver", "spawn", "fork")
 # Kinds of device a rank can use; None (not listed) means "detect".
 # The device types nblaunch names in its help; any other torch knows (a PrivateUse1 plug-in's

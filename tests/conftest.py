@@ -36,7 +36,7 @@ def _no_spares_in_the_test_process():
     test made IPython's test shell (plain pytest's ``__main__`` has one). There they would outlive
     tests that check no rank is left, and reap a forkserver a test killed to see it replaced.
     The spares' tests run real kernels."""
-    from nblaunch.engine import spares
+    from nblaunch.engine.processes import spares
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(spares, "wanted", lambda start_method: False)
@@ -91,7 +91,7 @@ def rank_children() -> list[psutil.Process]:
     their own) get up to 5 s to exit first, as the next launch would give them; one still
     there after that is listed.
     """
-    from nblaunch.engine import supervisor
+    from nblaunch.engine.processes import supervisor
 
     for _, _, process in list(supervisor._leaving):
         process.join(5.0)
@@ -107,13 +107,13 @@ def rank_children() -> list[psutil.Process]:
 
 
 # Run in a kernel: the pids of its live descendants other than multiprocessing's helpers and
-# the spare ranks waiting for the next launch (nblaunch.engine.spares): ranks left behind.
+# the spare ranks waiting for the next launch (nblaunch.engine.processes.spares): ranks left behind.
 RANKS_LEFT_CODE = """
 import psutil
-import nblaunch.engine.spares
+import nblaunch.engine.processes.spares
 from multiprocessing import forkserver, resource_tracker
 helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
-helpers.update(nblaunch.engine.spares.pids())
+helpers.update(nblaunch.engine.processes.spares.pids())
 print(sorted(p.pid for p in psutil.Process().children(recursive=True)
              if p.pid not in helpers and p.status() != psutil.STATUS_ZOMBIE))
 """

@@ -1,7 +1,7 @@
 """A scripted rank backend and clock: the engine's decisions played back without processes.
 
-:class:`ScriptedRanks` is a :class:`nblaunch.engine.backend.RankBackend` whose ranks are real
-pipes (the relay reads them exactly as it reads a process's) and a script instead of a process.
+:class:`ScriptedRanks` is a :class:`nblaunch.engine.processes.backend.RankBackend` whose ranks are
+real pipes (the relay reads them exactly as it reads a process's) and a script instead of a process.
 A test gives a *behaviour*: for each message the engine sends a rank (``setup``, ``task``,
 ``stop``, ``debug_input``, and ``sigint`` for an interrupt), the steps that rank takes, each
 ``(seconds later, action)``, or ``None`` for what a rank does by default
@@ -24,7 +24,7 @@ from typing import Any
 import cloudpickle
 
 from nblaunch.engine.clock import Clock
-from nblaunch.engine.supervisor import RankProcess
+from nblaunch.engine.processes.supervisor import RankProcess
 from nblaunch.ranks.failure import failure_event
 
 

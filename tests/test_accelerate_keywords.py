@@ -13,8 +13,8 @@ import socket
 import pytest
 
 from nblaunch import LaunchError, notebook_launcher
-from nblaunch.engine.plan import plan_launch
-from nblaunch.engine.restarts import Attempts
+from nblaunch.engine.plan.launch_plan import plan_launch
+from nblaunch.engine.run.restarts import Attempts
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.notebook import accelerate_keywords
 from nblaunch.notebook.views import TextView

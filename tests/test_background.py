@@ -17,10 +17,10 @@ from conftest import ROOT, rank_children, wait_until
 from scripted import Print, Script, raises, returns
 
 import nblaunch
-from nblaunch.engine.background import BackgroundRun
-from nblaunch.engine.history import MAX_METRIC_EVENTS, EventHub, RunHistory
-from nblaunch.engine.plan import plan_launch, serialize_payload
-from nblaunch.engine.run import Run
+from nblaunch.engine.background.background_run import BackgroundRun
+from nblaunch.engine.background.event_hub import MAX_METRIC_EVENTS, EventHub, RunHistory
+from nblaunch.engine.plan.launch_plan import plan_launch, serialize_payload
+from nblaunch.engine.run.run import Run
 from nblaunch.errors import LaunchError, RunStoppedError
 from nblaunch.events import RunState
 from nblaunch.notebook.views import RecordingView

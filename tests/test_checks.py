@@ -18,8 +18,8 @@ from nblaunch import (
     notebook_launcher,
     start_pool,
 )
-from nblaunch.engine.checks import CallReader, CollectiveChecks, compare
-from nblaunch.engine.plan import plan_launch
+from nblaunch.engine.monitors.collective_checks import CallReader, CollectiveChecks, compare
+from nblaunch.engine.plan.launch_plan import plan_launch
 from nblaunch.engine.verdict import Cause
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks import fingerprints

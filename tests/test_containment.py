@@ -24,7 +24,7 @@ from conftest import rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
-from nblaunch.engine.plan import plan_launch
+from nblaunch.engine.plan.launch_plan import plan_launch
 from nblaunch.options import LaunchOptions
 
 

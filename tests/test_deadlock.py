@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from nblaunch import DistributedHangError
-from nblaunch.engine.deadlock import (
+from nblaunch.engine.monitors.deadlock import (
     Counts,
     Wait,
     describe_need,
@@ -18,7 +18,7 @@ from nblaunch.engine.deadlock import (
     prove_from_beats,
     wait_of,
 )
-from nblaunch.engine.hang import HangMonitor
+from nblaunch.engine.monitors.hang import HangMonitor
 from tests.conftest import rank_children, wait_until
 from tests.test_watchdog import FakeRun, launch, line_of
 

@@ -16,7 +16,8 @@ from conftest import Kernel, wait_until
 from test_background import steps  # the same workload, run detached here
 
 import nblaunch
-from nblaunch.engine import detached, host_files
+from nblaunch.engine.detached import host_files
+from nblaunch.engine.detached import registry as detached
 from nblaunch.errors import RunStoppedError
 from nblaunch.notebook.views import RecordingView
 
@@ -98,7 +99,7 @@ def test_a_view_that_connects_as_the_host_ends_shows_what_the_host_left(tmp_path
 
     import cloudpickle
 
-    from nblaunch.engine import attached, wire
+    from nblaunch.engine.detached import attached, wire
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -19,7 +19,8 @@ from test_detached import processes_of
 from test_disk import failing_disk, tmpfs  # noqa: F401  (failing_disk: a fixture)
 
 import nblaunch
-from nblaunch.engine import attached, detached, host_files
+from nblaunch.engine.detached import attached, host_files
+from nblaunch.engine.detached import registry as detached
 from nblaunch.notebook.views import RecordingView
 
 
@@ -411,7 +412,7 @@ def test_a_host_killed_as_it_starts_is_said_with_its_signal(registry, monkeypatc
 def test_rank_logs_that_fail_at_a_flush_stop_once_without_a_closed_file_error(
     failing_disk,  # noqa: F811
 ):
-    from nblaunch.engine.run_files import RunFiles
+    from nblaunch.engine.output.log_files import RunFiles
 
     mount, trigger = failing_disk
     troubles = []

@@ -18,9 +18,9 @@ import pytest
 
 import nblaunch
 from nblaunch import LaunchError, notebook_launcher
-from nblaunch.engine import devices as engine_devices
-from nblaunch.engine.plan import plan_launch, serialize_payload
-from nblaunch.engine.run import Run
+from nblaunch.engine.plan import devices as engine_devices
+from nblaunch.engine.plan.launch_plan import plan_launch, serialize_payload
+from nblaunch.engine.run.run import Run
 from nblaunch.notebook.views.recording import RecordingView
 from nblaunch.options import LaunchOptions
 
@@ -96,7 +96,7 @@ def test_counting_a_plugins_devices_and_tpu_chips_imports_no_torch_here(tmp_path
     code = textwrap.dedent(
         f"""
         import sys
-        from nblaunch.engine import devices
+        from nblaunch.engine.plan import devices
         devices.PCI_DEVICES = {pci!r}
         xla, plugin = devices.detect_devices("xla"), devices.detect_devices("fakeacc")
         print(xla.count, xla.kind, plugin.count, plugin.kind, "torch" in sys.modules)

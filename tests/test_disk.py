@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from nblaunch.engine.plan import plan_launch, serialize_payload
-from nblaunch.engine.run import Run
+from nblaunch.engine.plan.launch_plan import plan_launch, serialize_payload
+from nblaunch.engine.run.run import Run
 from nblaunch.notebook.views import RecordingView
 from nblaunch.options import LaunchOptions
 

@@ -7,9 +7,9 @@ import platform
 
 import pytest
 
-from nblaunch.engine import doctor
-from nblaunch.engine.doctor import Accelerator
-from nblaunch.engine.plan import plan_launch
+from nblaunch.engine.plan import doctor
+from nblaunch.engine.plan.doctor import Accelerator
+from nblaunch.engine.plan.launch_plan import plan_launch
 from nblaunch.options import LaunchOptions
 
 GIB = 1 << 30

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nblaunch
 from nblaunch import notebook_launcher
-from nblaunch.engine.plan import plan_launch
+from nblaunch.engine.plan.launch_plan import plan_launch
 from nblaunch.options import LaunchOptions
 from tests.conftest import skip_unless_accelerates_test_ops_runs_on_cpu
 

@@ -22,10 +22,10 @@ from scripted import (
     returns,
 )
 
-from nblaunch.engine.hang import FINISHED_GRACE_S
-from nblaunch.engine.plan import plan_launch, serialize_payload
-from nblaunch.engine.pool_task import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
-from nblaunch.engine.run import Run
+from nblaunch.engine.monitors.hang import FINISHED_GRACE_S
+from nblaunch.engine.plan.launch_plan import plan_launch, serialize_payload
+from nblaunch.engine.pool.task_end import INTERRUPT_WAIT_S, AfterTask, TaskEnd, decide_task_end
+from nblaunch.engine.run.run import Run
 from nblaunch.engine.verdict import SECONDARY_GRACE_S, Cause, RootCause
 from nblaunch.errors import (
     DistributedHangError,

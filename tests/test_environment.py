@@ -49,7 +49,7 @@ def test_a_bad_value_is_named_before_anything_starts(name, value, says, monkeypa
 def test_good_values_in_any_case_are_taken(name, value, monkeypatch, tmp_path):
     monkeypatch.setenv("NBLAUNCH_RUN_DIR", str(tmp_path))
     monkeypatch.setenv(name, value)
-    from nblaunch.engine.plan import plan_launch
+    from nblaunch.engine.plan.launch_plan import plan_launch
     from nblaunch.options import LaunchOptions
 
     plan = plan_launch(print, 1, LaunchOptions(device_type="cpu"))

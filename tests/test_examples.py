@@ -168,16 +168,17 @@ _reset({workdir!r}, {env!r})
 # a run's host) other than multiprocessing's helpers and the spare ranks. Then a new kernel.
 LEFT_CODE = """
 import psutil
-import nblaunch.engine.pool_ranks, nblaunch.engine.spares, nblaunch.engine.supervisor
+from nblaunch.engine.pool import pool_engine
+from nblaunch.engine.processes import spares, supervisor
 from multiprocessing import forkserver, resource_tracker
-for _, _, process in list(nblaunch.engine.supervisor._leaving):
+for _, _, process in list(supervisor._leaving):
     process.join(5.0)  # ranks a finished run let go exit on their own
 helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}
-helpers.update(nblaunch.engine.spares.pids())
+helpers.update(spares.pids())
 left = [p.pid for p in psutil.Process().children(recursive=True)
         if p.pid not in helpers and p.status() != psutil.STATUS_ZOMBIE]
-if left or nblaunch.engine.pool_ranks.current_pool() is not None:
-    raise RuntimeError(f"left behind: pool {nblaunch.engine.pool_ranks.current_pool()}, {left}")
+if left or pool_engine.current_pool() is not None:
+    raise RuntimeError(f"left behind: pool {pool_engine.current_pool()}, {left}")
 """
 
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import wait_until
 
 import nblaunch
-from nblaunch.engine import forkserver_idle
+from nblaunch.engine.processes import forkserver_idle
 
 
 @pytest.fixture

@@ -251,7 +251,7 @@ def test_the_watch_of_a_dead_hosts_run_goes_with_its_directory(tmp_path, monkeyp
     listed, and no longer once its directory was removed."""
     import signal
 
-    from nblaunch.engine import detached
+    from nblaunch.engine.detached import registry as detached
     from nblaunch.lab.runs import RunsIndex
 
     monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(tmp_path / "detached"))

@@ -21,7 +21,7 @@ from conftest import RANKS_LEFT_CODE, rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, LaunchTimeoutError, RankFailedError, notebook_launcher
-from nblaunch.engine import supervisor as supervisor_module
+from nblaunch.engine.processes import supervisor as supervisor_module
 
 
 def launch(function, args=(), n=2, **kwargs):

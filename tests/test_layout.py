@@ -50,7 +50,7 @@ ENTRY_POINTS = {"nblaunch", "nblaunch.__main__", "nblaunch.cli", "nblaunch.integ
 
 
 def part_of(module: str) -> str | None:
-    """``nblaunch.engine.run`` -> ``engine``; the shared modules -> ``shared``; else None."""
+    """``nblaunch.engine.run.run`` -> ``engine``; the shared modules -> ``shared``; else None."""
     parts = module.split(".")
     if parts[0] != "nblaunch" or len(parts) < 2:
         return None

@@ -10,9 +10,9 @@ import cloudpickle
 import pytest
 
 from nblaunch import get_logger, notebook_launcher
-from nblaunch.engine.in_order import InOrderLog
-from nblaunch.engine.plan import plan_launch, serialize_payload
-from nblaunch.engine.run import Run
+from nblaunch.engine.output.in_order import InOrderLog
+from nblaunch.engine.plan.launch_plan import plan_launch, serialize_payload
+from nblaunch.engine.run.run import Run
 from nblaunch.notebook.views import RecordingView
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks.logging import RankLogger

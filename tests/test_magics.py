@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def ip():
-    from nblaunch.engine.supervisor import warm_up
+    from nblaunch.engine.processes.supervisor import warm_up
 
     shell = get_ipython()
     shell.run_line_magic("load_ext", "nblaunch")

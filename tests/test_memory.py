@@ -14,10 +14,10 @@ import torch
 from conftest import rank_children, wait_until
 
 import nblaunch
-from nblaunch.engine import batch_size
-from nblaunch.engine.batch_size import BatchSizeMonitor
-from nblaunch.engine.plan import plan_launch, serialize_payload
-from nblaunch.engine.run import Run
+from nblaunch.engine.monitors import batch_size
+from nblaunch.engine.monitors.batch_size import BatchSizeMonitor
+from nblaunch.engine.plan.launch_plan import plan_launch, serialize_payload
+from nblaunch.engine.run.run import Run
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
 from nblaunch.events import RunState

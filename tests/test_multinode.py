@@ -32,7 +32,7 @@ from nblaunch.cluster.store import (
     parse_endpoint,
     signal_handlers_kept,
 )
-from nblaunch.engine.plan import loopback_interface
+from nblaunch.engine.plan.launch_plan import loopback_interface
 from nblaunch.events import NullView
 from nblaunch.options import LaunchOptions, NodeOptions
 from nblaunch.ranks.default_group import connect_hint

@@ -18,7 +18,7 @@ from conftest import kernel_pool_pids, rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
-from nblaunch.engine.pool_task import INTERRUPT_WAIT_S
+from nblaunch.engine.pool.task_end import INTERRUPT_WAIT_S
 from nblaunch.notebook import views
 from nblaunch.notebook.pool import Pool, PoolState, parse_ranks
 from nblaunch.notebook.pool_start import start_pool
@@ -259,7 +259,7 @@ def test_interrupt_stops_the_task_on_every_rank_and_keeps_the_pool(pool):
 
 def test_a_task_timeout_stops_the_task_and_keeps_the_pool(pool):
     from nblaunch import LaunchTimeoutError
-    from nblaunch.engine.plan import serialize_payload
+    from nblaunch.engine.plan.launch_plan import serialize_payload
 
     pool.run(remember, 4)
     began = time.monotonic()

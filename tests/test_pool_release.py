@@ -13,7 +13,7 @@ import pytest
 from conftest import rank_children, wait_until
 
 from nblaunch import PoolRestartedError
-from nblaunch.engine.checks import owed_calls
+from nblaunch.engine.monitors.collective_checks import owed_calls
 from nblaunch.notebook.pool import PoolState
 from nblaunch.notebook.pool_start import start_pool
 from nblaunch.ranks.debug_report import DDP_ALL_REDUCE
@@ -204,7 +204,7 @@ def rank_one_waits_in_recv():
 def test_a_peer_nothing_can_release_gets_the_pool_restarted_and_the_error_says_so_first(
     pool, monkeypatch
 ):
-    monkeypatch.setattr("nblaunch.engine.pool_task.INTERRUPT_WAIT_S", 1.0)  # 3 s otherwise
+    monkeypatch.setattr("nblaunch.engine.pool.task_end.INTERRUPT_WAIT_S", 1.0)  # 3 s otherwise
     pool.run(keep_a_model)
     old = pool.pids
     began = time.monotonic()

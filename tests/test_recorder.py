@@ -14,7 +14,7 @@ import time
 import pytest
 
 from nblaunch import DistributedHangError, DistributedOperationException, notebook_launcher
-from nblaunch.engine.plan import plan_launch
+from nblaunch.engine.plan.launch_plan import plan_launch
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks import heartbeat, process_groups
 from tests.conftest import rank_children, wait_until

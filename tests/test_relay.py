@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from nblaunch.engine.lines import MAX_LINE_BYTES
-from nblaunch.engine.relay import Relay
-from nblaunch.engine.supervisor import RankProcess
+from nblaunch.engine.output.lines import MAX_LINE_BYTES
+from nblaunch.engine.output.relay import Relay
+from nblaunch.engine.processes.supervisor import RankProcess
 from nblaunch.notebook.views import RecordingView
 
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import wait_until
 
 from nblaunch import LaunchError, notebook_launcher
-from nblaunch.engine.run_dirs import is_live, new_run_dir, prune_runs
+from nblaunch.engine.plan.run_dirs import is_live, new_run_dir, prune_runs
 
 
 def test_names_made_within_one_second_sort_in_the_order_they_were_made(tmp_path, monkeypatch):
@@ -64,7 +64,7 @@ def test_another_process_cannot_prune_a_run_this_one_holds(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys; from nblaunch.engine.run_dirs import new_run_dir\n"
+            "import sys; from nblaunch.engine.plan.run_dirs import new_run_dir\n"
             "path, lease = new_run_dir(None); print(path, flush=True); sys.stdin.read()",
         ],
         env={**_env(), "NBLAUNCH_RUN_DIR": str(tmp_path), "NBLAUNCH_KEEP_RUNS": "0"},
@@ -162,7 +162,7 @@ def test_a_long_run_keeps_its_logs_and_metrics_while_another_process_launches(tm
         [
             sys.executable,
             "-c",
-            "from nblaunch.engine.run_dirs import new_run_dir; new_run_dir(None)[1].release()",
+            "from nblaunch.engine.plan.run_dirs import new_run_dir; new_run_dir(None)[1].release()",
         ],
         env=env,
         check=True,

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 SETUP = """
 import gc, json, os, sys, threading, time
 import nblaunch
-import nblaunch.engine.detached
+import nblaunch.engine.detached.registry
 
 def quick():
     return nblaunch.rank()
@@ -134,7 +134,7 @@ def test_ended_detached_runs_and_pools_leave_no_zombie_host(soak_kernel):
         "for _ in range(2):\n"
         "    h = nblaunch.notebook_launcher(quick, num_processes=2, detach=True, display='none')\n"
         "    assert h.result(90) == [0, 1]\n"
-        "    hosts.append(nblaunch.engine.detached.find(h.id).pid)\n"
+        "    hosts.append(nblaunch.engine.detached.registry.find(h.id).pid)\n"
         "pool = nblaunch.start_pool(2, detach=True, display='none')\n"
         "assert pool.run(quick) == [0, 1]\n"
         "hosts.append(pool.entry.pid)\n"
@@ -178,7 +178,7 @@ def test_the_run_host_gives_back_what_each_attach_took(soak_kernel):
     cell = kernel.run(
         "h = nblaunch.notebook_launcher(chatty, (90,), num_processes=2, detach=True, "
         "display='none')\nstarted(h)\n"
-        "print(json.dumps([h.id, nblaunch.engine.detached.find(h.id).pid]))",
+        "print(json.dumps([h.id, nblaunch.engine.detached.registry.find(h.id).pid]))",
         timeout=120,
     )
     assert cell["error"] is None, cell
@@ -229,7 +229,7 @@ def test_a_detached_runs_replaced_views_hang_up_on_its_host(soak_kernel):
     cell = kernel.run(
         "h = nblaunch.notebook_launcher(chatty, (90,), num_processes=2, detach=True, "
         "display='widget')\nstarted(h)\n"
-        "print(nblaunch.engine.detached.find(h.id).pid)",
+        "print(nblaunch.engine.detached.registry.find(h.id).pid)",
         timeout=120,
     )
     assert cell["error"] is None, cell

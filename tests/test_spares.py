@@ -1,4 +1,5 @@
-"""Spare ranks (``nblaunch.engine.spares``): a notebook's next launch takes processes forked ahead.
+"""Spare ranks (``nblaunch.engine.processes.spares``): a notebook's next launch takes processes
+forked ahead.
 
 In a real kernel, as a notebook runs the same cell again and again. Spares for an accelerator
 make their device's context ahead (``nblaunch.ranks.warm_up``): tested on the test accelerator
@@ -18,12 +19,12 @@ import psutil
 import pytest
 from conftest import wait_until
 
-from nblaunch.engine import spares
+from nblaunch.engine.processes import spares
 from nblaunch.ranks import warm_up
 
 DEVICES = Path(__file__).resolve().parent / "devices"
 
-SPARE_PIDS = "import nblaunch.engine.spares\nprint(sorted(nblaunch.engine.spares.pids()))"
+SPARE_PIDS = "from nblaunch.engine.processes import spares\nprint(sorted(spares.pids()))"
 
 
 def _pids(kernel) -> list[int]:
@@ -55,7 +56,7 @@ def test_the_next_launch_runs_on_spares_brought_up_to_the_notebooks_state(kernel
     assert [foo for _, foo, *_ in seen] == ["set later", "set later"]
     # CPU spares warm nothing up: no plan, no thread.
     assert [rest for _, _, *rest in seen] == [[None, False], [None, False]]
-    assert kernel.run("print(nblaunch.engine.spares.warmed())")["out"].strip() == "None"
+    assert kernel.run("print(nblaunch.engine.processes.spares.warmed())")["out"].strip() == "None"
 
     # A launch of another size lets the waiting spares go; they exit.
     waiting = _pids(kernel)
@@ -78,11 +79,11 @@ import os, sys, time
 sys.path.insert(0, {devices!r})
 os.environ["NBLAUNCH_DEVICE_MODULES"] = "fake_accelerator"
 os.environ["FAKEACC_LOG"] = {log!r}
-import nblaunch, nblaunch.engine.spares
+import nblaunch, nblaunch.engine.processes.spares
 
 def where():
     import os, fake_accelerator, nblaunch
-    from nblaunch.ranks import warm_up
+    from nblaunch.ranks.device import warm_up
     record = fake_accelerator.RECORD
     return {{
         "pid": os.getpid(),
@@ -239,7 +240,9 @@ def test_no_spares_when_turned_off(tmp_path, monkeypatch):
     try:
         assert kernel.run("%load_ext nblaunch")["error"] is None
         assert kernel.run("%%distributed -n 2\npass", timeout=120)["error"] is None
-        cell = kernel.run("import nblaunch.engine.spares as s\nprint(s._worker, s.pids())")
+        cell = kernel.run(
+            "import nblaunch.engine.processes.spares as s\nprint(s._worker, s.pids())"
+        )
         assert cell["out"].strip() == "None []"
     finally:
         kernel.close()
@@ -247,7 +250,7 @@ def test_no_spares_when_turned_off(tmp_path, monkeypatch):
 
 SCRIPT = """
 import nblaunch
-import nblaunch.engine.spares as spares
+import nblaunch.engine.processes.spares as spares
 
 def pid():
     import os

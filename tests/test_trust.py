@@ -260,7 +260,7 @@ def test_run_directories_and_logs_are_private(tmp_path, monkeypatch):
 
 
 def test_old_run_directories_are_pruned_and_nothing_else(tmp_path, monkeypatch):
-    from nblaunch.engine.plan import plan_launch
+    from nblaunch.engine.plan.launch_plan import plan_launch
     from nblaunch.options import LaunchOptions
 
     base = tmp_path / "runs"

@@ -12,9 +12,9 @@ import pytest
 from scripted import heartbeat as beat
 
 from nblaunch import DistributedHangError, notebook_launcher
-from nblaunch.engine.hang import HangMonitor
-from nblaunch.engine.source_lines import cell_names
-from nblaunch.engine.stragglers import find_straggler
+from nblaunch.engine.monitors.hang import HangMonitor
+from nblaunch.engine.monitors.source_lines import cell_names
+from nblaunch.engine.monitors.stragglers import find_straggler
 from nblaunch.events import RunState
 from nblaunch.ranks import process_groups
 from nblaunch.ranks.heartbeat import HeartbeatThread

@@ -33,8 +33,8 @@ from nblaunch.cluster.store import (
     unshared_rendezvous_store,
 )
 from nblaunch.cluster.trust import SECRET_ENV, RunSecret, remove_secret_file
-from nblaunch.engine.run_files import open_private
-from nblaunch.engine.supervisor import warm_up
+from nblaunch.engine.output.log_files import open_private
+from nblaunch.engine.processes.supervisor import warm_up
 from nblaunch.errors import AuthenticationError, LaunchError, RendezvousTimeoutError
 from nblaunch.events import Event, EventSink, NullView, diagnosis
 

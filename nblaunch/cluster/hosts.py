@@ -3,8 +3,8 @@
 :func:`check_hosts` checks a hostfile for MPI or multi-host CPU runs: passwordless SSH to each
 host, the name it answers with, and whether ``mpirun`` is here. ``nblaunch env --hostfile`` and
 ``%dist env HOSTFILE`` print its report after the environment report
-(:mod:`nblaunch.engine.doctor`); ``start_nodes="ssh"`` (:mod:`nblaunch.cluster.node_start`) reads
-the hostfile and checks its hosts with :func:`check_each` before it starts anything.
+(:mod:`nblaunch.engine.plan.doctor`); ``start_nodes="ssh"`` (:mod:`nblaunch.cluster.node_start`)
+reads the hostfile and checks its hosts with :func:`check_each` before it starts anything.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from nblaunch.engine.doctor import mpirun_version
+from nblaunch.engine.plan.doctor import mpirun_version
 
 SSH_TIMEOUT_S = 5.0
 

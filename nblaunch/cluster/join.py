@@ -44,7 +44,7 @@ from nblaunch.cluster.store import (
     wait_for_port,
 )
 from nblaunch.cluster.trust import RunSecret, secret_for_join
-from nblaunch.engine.supervisor import warm_up
+from nblaunch.engine.processes.supervisor import warm_up
 from nblaunch.errors import AuthenticationError, LaunchError
 
 # How long a joining node waits for the run's settings to appear in the store.

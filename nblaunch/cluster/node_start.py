@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nblaunch.cluster.trust import SECRET_ENV
-from nblaunch.engine.run_files import open_private
+from nblaunch.engine.output.log_files import open_private
 from nblaunch.errors import LaunchError
 
 # How long the started commands get to end by themselves after the run, before they are stopped.

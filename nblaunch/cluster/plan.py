@@ -15,8 +15,8 @@ from typing import Any
 from nblaunch.cluster.channel import CONFIG_VERSION
 from nblaunch.cluster.network import Route, describe, route_to, socket_env
 from nblaunch.cluster.store import listen_on, parse_endpoint
-from nblaunch.engine.devices import detect_devices
-from nblaunch.engine.plan import LaunchPlan, plan_launch
+from nblaunch.engine.plan.devices import detect_devices
+from nblaunch.engine.plan.launch_plan import LaunchPlan, plan_launch
 from nblaunch.errors import LaunchError
 from nblaunch.options import LaunchOptions, NodeOptions
 

@@ -11,7 +11,7 @@ from nblaunch.cluster.head import Head
 from nblaunch.cluster.plan import plan_nodes
 from nblaunch.cluster.run import MultiNodeRun
 from nblaunch.cluster.store import signal_handlers_kept
-from nblaunch.engine.run import Run
+from nblaunch.engine.run.run import Run
 from nblaunch.events import NullView
 from nblaunch.options import LaunchOptions, NodeOptions
 

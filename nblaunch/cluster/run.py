@@ -1,7 +1,7 @@
 """Runs across several machines: the notebook node hosts, the other nodes join.
 
-A multi-node run is the single-node run of :mod:`nblaunch.engine.run` on every node, tied together
-by PyTorch's own elastic rendezvous (``torch.distributed.elastic``'s c10d rendezvous)::
+A multi-node run is the single-node run of :mod:`nblaunch.engine.run.run` on every node, tied
+together by PyTorch's own elastic rendezvous (``torch.distributed.elastic``'s c10d rendezvous)::
 
     notebook node (node 0)                                   other nodes
       TCPStore on rdzv_endpoint ◀── c10d rendezvous ──────── python -m nblaunch join ENDPOINT
@@ -23,7 +23,8 @@ by PyTorch's own elastic rendezvous (``torch.distributed.elastic``'s c10d rendez
 - **Events**: each joined node runs the ordinary supervisor and relay; its relay's sink pushes
   the events and output lines of its ranks, in batches, onto a queue in the store, which the
   notebook's relay pops alongside its own pipes. No second connection, no extra port.
-- **Decisions** are taken in one place, the notebook's :class:`~nblaunch.engine.run.Run`: the first
+- **Decisions** are taken in one place, the notebook's :class:`~nblaunch.engine.run.run.Run`: the
+first
   primary failure on any node is the root cause; the notebook then sets the control key and
   every node stops its ranks. (An elastic agent per node would hide a remote failure from the
   notebook node behind its exit barrier; here no node decides on its own.)
@@ -57,9 +58,9 @@ from nblaunch.cluster.head import Head
 from nblaunch.cluster.node_start import NodeStarter
 from nblaunch.cluster.plan import MultiNodePlan, plan_nodes
 from nblaunch.cluster.store import require_store_queues, signal_handlers_kept
-from nblaunch.engine.plan import serialize_payload
-from nblaunch.engine.relay import Relay
-from nblaunch.engine.run import Run
+from nblaunch.engine.output.relay import Relay
+from nblaunch.engine.plan.launch_plan import serialize_payload
+from nblaunch.engine.run.run import Run
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import RankFailedError
 from nblaunch.events import EventSink, RunState
@@ -270,7 +271,7 @@ class _NodeMonitor:
 
 
 class MultiNodeRun(Run):
-    """A :class:`~nblaunch.engine.run.Run` whose ranks live on several nodes.
+    """A :class:`~nblaunch.engine.run.run.Run` whose ranks live on several nodes.
 
     This node's ranks are supervised here as in a single-node run; the other nodes' events
     reach the same relay from the store (:class:`RemoteNodes`). The decisions (root cause, when

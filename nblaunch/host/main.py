@@ -1,8 +1,8 @@
 """The run host's life: load what the notebook left, run it, serve it, leave the outcome behind.
 
-The host runs the same engine as a blocking launch (:class:`~nblaunch.engine.run.Run`), writing
-to an :class:`~nblaunch.engine.history.EventHub` that the socket's clients watch; the rank logs
-and ``metrics.jsonl`` are written as in any run. When the run ends it writes the outcome
+The host runs the same engine as a blocking launch (:class:`~nblaunch.engine.run.run.Run`), writing
+to an :class:`~nblaunch.engine.background.event_hub.EventHub` that the socket's clients watch; the
+rank logs and ``metrics.jsonl`` are written as in any run. When the run ends it writes the outcome
 (``result.pkl``) and what a view of it shows (``history.pkl``), both 0600, sends the outcome to
 every attached notebook, waits until each took what it was sent, and exits. SIGTERM (``nblaunch
 runs stop``) and a client's stop request stop the run as the interrupt button stops a blocking one.
@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
-from nblaunch.engine import detached, host_files
-from nblaunch.engine.background import RUNNING, state_of, stopped_error
-from nblaunch.engine.history import EventHub
-from nblaunch.engine.run import Run
-from nblaunch.engine.run_dirs import RunLease
+from nblaunch.engine.background.background_run import RUNNING, state_of, stopped_error
+from nblaunch.engine.background.event_hub import EventHub
+from nblaunch.engine.detached import host_files
+from nblaunch.engine.detached import registry as detached
+from nblaunch.engine.plan.run_dirs import RunLease
+from nblaunch.engine.run.run import Run
 from nblaunch.host.outcome import pickled, write_private
 from nblaunch.host.serve import StreamServer
 

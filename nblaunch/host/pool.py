@@ -1,10 +1,10 @@
 """A detached pool's host: the pool's ranks and their names, kept across kernels.
 
-The host runs the pool's own engine headless (:class:`~nblaunch.engine.pool_ranks.PoolRanks`:
+The host runs the pool's own engine headless (:class:`~nblaunch.engine.pool.pool_engine.PoolRanks`:
 nothing of the notebook package, nor of IPython, is imported) and takes requests from one
-notebook at a time on its socket (:mod:`nblaunch.engine.wire`): ``("task", {...})`` runs a task
-and streams its events back, then ``("outcome", bytes)``; ``("interrupt", None)`` interrupts the
-running task as the interrupt button would; ``("status", None)``, ``("restart", None)`` and
+notebook at a time on its socket (:mod:`nblaunch.engine.detached.wire`): ``("task", {...})`` runs a
+task and streams its events back, then ``("outcome", bytes)``; ``("interrupt", None)`` interrupts
+the running task as the interrupt button would; ``("status", None)``, ``("restart", None)`` and
 ``("close", None)``. A notebook that attaches later (a new kernel) replaces the one before and is
 sent ``("info", {...})``. The pool ends on ``close``, on SIGTERM (``nblaunch runs stop``) or when
 it was idle for its idle limit.
@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
-from nblaunch.engine import detached, host_files, pool_holder, wire
-from nblaunch.engine.background import RUNNING, STOPPED
-from nblaunch.engine.pool_ranks import PoolRanks
-from nblaunch.engine.run_dirs import RunLease
+from nblaunch.engine.background.background_run import RUNNING, STOPPED
+from nblaunch.engine.detached import host_files, pool_holder, wire
+from nblaunch.engine.detached import registry as detached
+from nblaunch.engine.plan.run_dirs import RunLease
+from nblaunch.engine.pool.pool_engine import PoolRanks
 from nblaunch.events import Event
 from nblaunch.host.outcome import pickled, write_private
 

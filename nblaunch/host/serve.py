@@ -1,9 +1,9 @@
 """The run host's socket: every notebook that attaches gets the run's history, then its events.
 
-Each client is a view of the run's :class:`~nblaunch.engine.history.EventHub` that queues what
-it is given; a thread of its own sends the queue in batches, so a slow or vanished notebook never
-holds up the engine. A client that falls :data:`MAX_QUEUED` events behind is dropped (its
-notebook attaches again and gets the history).
+Each client is a view of the run's :class:`~nblaunch.engine.background.event_hub.EventHub` that
+queues what it is given; a thread of its own sends the queue in batches, so a slow or vanished
+notebook never holds up the engine. A client that falls :data:`MAX_QUEUED` events behind is dropped
+(its notebook attaches again and gets the history).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any
 
-from nblaunch.engine import wire
-from nblaunch.engine.history import EventHub
+from nblaunch.engine.background.event_hub import EventHub
+from nblaunch.engine.detached import wire
 from nblaunch.events import Event
 
 MAX_QUEUED = 200_000

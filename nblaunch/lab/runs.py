@@ -1,8 +1,8 @@
 """The runs the panel lists: the user's detached runs and pools, and the runs under the root folder.
 
 :class:`RunsIndex` is the server extension's one object. It reads the user's registry of
-detached runs (:mod:`nblaunch.engine.detached`) and the run directories under the server's root
-folder (``.nblaunch/runs/*`` there and up to two folders down), keeps a live
+detached runs (:mod:`nblaunch.engine.detached.registry`) and the run directories under the server's
+root folder (``.nblaunch/runs/*`` there and up to two folders down), keeps a live
 :class:`RunWatch` on each detached run it is asked about while that run goes, and stops runs as
 ``nblaunch runs stop`` does. Everything it lists belongs to the server's own user: an entry or a
 run directory owned by another uid is skipped, whatever the permissions would allow (a server
@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine import detached, host_files, pool_holder, wire
-from nblaunch.engine.background import RUNNING
-from nblaunch.engine.run_dirs import is_live
+from nblaunch.engine.background.background_run import RUNNING
+from nblaunch.engine.detached import host_files, pool_holder, wire
+from nblaunch.engine.detached import registry as detached
+from nblaunch.engine.plan.run_dirs import is_live
 from nblaunch.errors import LaunchError
 from nblaunch.lab.summary import RunSummary, from_files
 

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine.metrics_files import METRICS_FILE
+from nblaunch.engine.output.metrics_files import METRICS_FILE
 from nblaunch.events import Event, checking_mode
 
 # Last lines kept per rank, and of all ranks together (the folded "All ranks").

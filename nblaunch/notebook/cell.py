@@ -313,7 +313,7 @@ def serialize_names(values: dict[str, Any]) -> bytes:
 
 
 def _unpicklable_message(name: str, value: Any, exc: Exception) -> str:
-    from nblaunch.engine.plan import find_unpicklable, first_unpicklable
+    from nblaunch.engine.plan.launch_plan import find_unpicklable, first_unpicklable
 
     culprit = None
     if isinstance(value, types.FunctionType):

@@ -86,12 +86,12 @@ def overview() -> str:
 def _dist_env(line: str) -> None:
     """``%dist env [HOSTFILE]``: the environment report (and a check of the hosts in HOSTFILE)."""
     try:
-        from nblaunch.engine import doctor
+        from nblaunch.engine.plan import doctor
     except ModuleNotFoundError as exc:
-        if exc.name != "nblaunch.engine.doctor":
+        if exc.name != "nblaunch.engine.plan.doctor":
             raise
         raise UsageError(
-            "%dist env: the environment report (nblaunch.engine.doctor) is not available"
+            "%dist env: the environment report (nblaunch.engine.plan.doctor) is not available"
         ) from None
     print(doctor.report(), end="")
     hostfile = line.strip()

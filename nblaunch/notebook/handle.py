@@ -1,11 +1,12 @@
 """``RunHandle``: a run that does not hold its cell, and the way back to any run's view.
 
 ``notebook_launcher(..., block=False)`` (and ``%%distributed --bg``) returns a handle to a
-background run, the engine on a thread of this kernel (:mod:`nblaunch.engine.background`);
-``detach=True`` one to a detached run, the engine in a run host that outlives the kernel
-(:mod:`nblaunch.engine.detached`). Either way ``.view()`` shows the live view in the current cell,
-with the history a view keeps, as often as asked (after a page reload too); ``.result()`` waits
-for the values or raises the failing rank's own exception; ``.stop()`` stops every rank.
+background run, the engine on a thread of this kernel
+(:mod:`nblaunch.engine.background.background_run`); ``detach=True`` one to a detached run, the
+engine in a run host that outlives the kernel (:mod:`nblaunch.engine.detached.registry`). Either way
+``.view()`` shows the live view in the current cell, with the history a view keeps, as often as
+asked (after a page reload too); ``.result()`` waits for the values or raises the failing rank's own
+exception; ``.stop()`` stops every rank.
 
 ``runs()`` lists this kernel's runs and the detached runs of this machine; ``attach()`` gives a
 handle to a detached run from any kernel.
@@ -19,11 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine import attached, detached, spares
-from nblaunch.engine.background import LOST, RUNNING, BackgroundRun, RunControl
-from nblaunch.engine.history import EventHub
-from nblaunch.engine.plan import LaunchPlan
-from nblaunch.engine.run import Run
+from nblaunch.engine.background.background_run import LOST, RUNNING, BackgroundRun, RunControl
+from nblaunch.engine.background.event_hub import EventHub
+from nblaunch.engine.detached import attached
+from nblaunch.engine.detached import registry as detached
+from nblaunch.engine.plan.launch_plan import LaunchPlan
+from nblaunch.engine.processes import spares
+from nblaunch.engine.run.run import Run
 from nblaunch.events import EventSink
 
 # Handles of this kernel's background and detached runs, oldest first; past MAX_REMEMBERED the

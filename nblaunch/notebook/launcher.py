@@ -2,10 +2,11 @@
 
 A launch goes through four steps:
 
-1. **Validate and plan** (:func:`nblaunch.engine.plan.plan_launch`): check every argument,
+1. **Validate and plan** (:func:`nblaunch.engine.plan.launch_plan.plan_launch`): check every
+argument,
    pick devices, backend and port, and serialise the function with its arguments. Anything
    wrong is a ``LaunchError`` before a process starts.
-2. **Start** the ranks and send each its setup and task (:class:`nblaunch.engine.run.Run`).
+2. **Start** the ranks and send each its setup and task (:class:`nblaunch.engine.run.run.Run`).
 3. **Watch**: relay output and events to the view, collect results, and spot the root cause when
    something fails: the first *primary* failure, never a rank that only saw its peer die.
 4. **Finish**: stop every rank (politely, then by force), then return the results by rank or
@@ -20,14 +21,14 @@ import inspect
 import os
 from typing import Any
 
-from nblaunch.engine import spares
-from nblaunch.engine.plan import (  # noqa: F401  (kept importable from here)
+from nblaunch.engine.plan.launch_plan import (  # noqa: F401  (kept importable from here)
     LaunchPlan,
     find_unpicklable,
     plan_launch,
     serialize_payload,
 )
-from nblaunch.engine.run import Run
+from nblaunch.engine.processes import spares
+from nblaunch.engine.run.run import Run
 from nblaunch.errors import LaunchError
 from nblaunch.notebook import accelerate_keywords
 from nblaunch.notebook.pool import refuse_if_running

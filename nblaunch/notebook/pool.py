@@ -5,8 +5,8 @@ process group. Every ``%%distributed`` cell, or :meth:`Pool.run` call, is then o
 to those same ranks, so a model built in one cell is still there in the next one, and a cell
 costs a few milliseconds instead of a launch.
 
-The pool is a :class:`~nblaunch.engine.run.Run` that runs many tasks: the same supervisor, relay,
-root-cause logic and live view as a one-shot launch. What it adds is what happens *between*
+The pool is a :class:`~nblaunch.engine.run.run.Run` that runs many tasks: the same supervisor,
+relay, root-cause logic and live view as a one-shot launch. What it adds is what happens *between*
 tasks:
 
 - a task ends only when every rank it ran on is back waiting for the next one, and whatever the
@@ -14,7 +14,7 @@ tasks:
 - an interrupt (the kernel's stop button, or ``q`` in a rank's debugger) raises
   ``KeyboardInterrupt`` inside the ranks; a rank waiting in a collective that the stopped ranks
   never issued (no signal reaches it inside C code) is freed by them issuing it
-  (:mod:`nblaunch.engine.pool_release`); one that nothing frees gets the pool restarted,
+  (:mod:`nblaunch.engine.pool.release`); one that nothing frees gets the pool restarted,
   and the cell's error (``PoolRestartedError``) says first that the ranks' state is gone;
 - a rank that dies fails its cell with the real cause and leaves the pool *broken*: the next
   cell says so at once (``%dist restart``) instead of hanging on the dead rank;
@@ -23,8 +23,9 @@ tasks:
   (``views.DeferredView``): the widget costs more than a quick cell on the pool.
 
 Inside a rank, :func:`nblaunch.ranks.namespace.rank_namespace` is the dictionary cells run in;
-it lives as long as the rank process. The ranks' life is :mod:`nblaunch.engine.pool_ranks`, the
-end of a task :mod:`nblaunch.engine.pool_task`; this module adds what a person runs and sees.
+it lives as long as the rank process. The ranks' life is :mod:`nblaunch.engine.pool.pool_engine`,
+the end of a task :mod:`nblaunch.engine.pool.task_end`; this module adds what a person runs and
+sees.
 """
 
 from __future__ import annotations
@@ -36,18 +37,18 @@ import weakref
 from typing import Any
 
 from nblaunch import pickling
-from nblaunch.engine.backend import BackendFactory, ProcessBackend
-from nblaunch.engine.background import BackgroundTask
+from nblaunch.engine.background.background_run import BackgroundTask
+from nblaunch.engine.background.event_hub import EventHub
 from nblaunch.engine.clock import REAL_CLOCK, Clock
-from nblaunch.engine.history import EventHub
-from nblaunch.engine.plan import serialize_payload
-from nblaunch.engine.pool_ranks import (  # noqa: F401  (importable from here too)
+from nblaunch.engine.plan.launch_plan import serialize_payload
+from nblaunch.engine.pool.pool_engine import (  # noqa: F401  (importable from here too)
     START_TIMEOUT_S,
     PoolRanks,
     current_pool,
     refuse_if_running,
 )
-from nblaunch.engine.pool_status import PoolState
+from nblaunch.engine.pool.status import PoolState
+from nblaunch.engine.processes.backend import BackendFactory, ProcessBackend
 from nblaunch.errors import LaunchError
 from nblaunch.events import EventSink
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions
@@ -66,7 +67,7 @@ class Pool(PoolRanks):
     printed), and stays in the pool across its restarts until the pool is closed; or the
     pool starts them itself with ``start_nodes`` (``"ssh"`` with ``hostfile``, ``"srun"``).
 
-    ``backend`` and ``clock`` are the engine's (:class:`~nblaunch.engine.run.Run`): real
+    ``backend`` and ``clock`` are the engine's (:class:`~nblaunch.engine.run.run.Run`): real
     processes and time unless a test scripts them.
     """
 
@@ -128,7 +129,7 @@ class Pool(PoolRanks):
     ) -> Any:
         """Run a serialised ``(function, args, kwargs)`` as one task; return values by rank.
 
-        As :meth:`PoolRanks.run_payload <nblaunch.engine.pool_ranks.PoolRanks.run_payload>`,
+        As :meth:`PoolRanks.run_payload <nblaunch.engine.pool.pool_engine.PoolRanks.run_payload>`,
         shown in a view of this cell:
 
         Parameters

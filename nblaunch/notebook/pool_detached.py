@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
-from nblaunch.engine import detached, host_files, pool_ranks, wire
-from nblaunch.engine.pool_status import PoolState
-from nblaunch.engine.pool_task import TaskGuard
-from nblaunch.engine.run_dirs import new_run_dir
+from nblaunch.engine.detached import host_files, wire
+from nblaunch.engine.detached import registry as detached
+from nblaunch.engine.plan.run_dirs import new_run_dir
+from nblaunch.engine.pool import pool_engine as pool_ranks
+from nblaunch.engine.pool.status import PoolState
+from nblaunch.engine.pool.task_end import TaskGuard
 from nblaunch.errors import LaunchError
 from nblaunch.notebook.pool import Pool
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S

@@ -5,12 +5,12 @@ notebook instead: when it waits for a command it sends what it printed and its p
 event pipe (a ``debug`` event), and reads the answer from its task pipe (``debug_input``). The
 launcher asks the person with ``input()``, so the prompt appears where ``input()`` in a cell
 would, labelled with the rank; under ``nblaunch run`` it is the terminal's. The notebook's side
-is a monitor (:mod:`nblaunch.engine.debug_prompts`): while a rank waits in the debugger its
+is a monitor (:mod:`nblaunch.engine.monitors.debug_prompts`): while a rank waits in the debugger its
 badge says DEBUGGING, the others' say they wait for it, and the run's clocks are paused: the
 hang watchdog does not judge and ``timeout=`` does not count.
 ``q`` raises ``bdb.BdbQuit`` in the rank: the run ends with every rank stopped and "rank N quit
 the debugger"; a pool's ranks keep their names (peers waiting in a collective are released,
-:mod:`nblaunch.engine.pool_release`).
+:mod:`nblaunch.engine.pool.release`).
 
 In a rank ``breakpoint()`` stops there (``PYTHONBREAKPOINT=0`` still turns it off);
 :func:`breakpoint` with ``rank=`` stops on that rank only. ``debug_on_error=True`` holds a failing

@@ -10,7 +10,7 @@ of every thread.
 
 Reading a stack (where the user's line is, whether it is inside a collective) is
 :mod:`nblaunch.ranks.stacks`. The notebook's side, which names hangs and stragglers from these,
-is :mod:`nblaunch.engine.hang`.
+is :mod:`nblaunch.engine.monitors.hang`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ BUSY_CPU_SHARE = 0.05
 # hooks and work.wait() wait in C++).
 NATIVE_WAIT_AFTER_S = 0.5
 # A task thread still in a wait this long gets a heartbeat at once, not at the next second: the
-# watchdog proves deadlocks from the ranks' waits (nblaunch.engine.deadlock) within 2 s.
+# watchdog proves deadlocks from the ranks' waits (nblaunch.engine.monitors.deadlock) within 2 s.
 WAIT_BEATS_S = (0.3, 1.0)
 
 

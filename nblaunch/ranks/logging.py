@@ -8,7 +8,7 @@
   events tagged with their rank and level, unless the user configured handlers that already
   print them.
 
-The notebook lines ``in_order`` records up (:mod:`nblaunch.engine.in_order`), never with a
+The notebook lines ``in_order`` records up (:mod:`nblaunch.engine.output.in_order`), never with a
 barrier in the ranks.
 """
 

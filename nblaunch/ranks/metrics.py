@@ -2,8 +2,8 @@
 
 :func:`log_metrics` sends ``{name: value}`` with the step, the rank and the time to the notebook
 as one ``metrics`` event (one pipe write, no collective, no waiting on peers). The notebook keeps
-every such event in ``<run dir>/metrics.jsonl`` (:mod:`nblaunch.engine.metrics_files`, which also
-reads it back with ``load_metrics``) and charts them (:mod:`nblaunch.notebook.charts`).
+every such event in ``<run dir>/metrics.jsonl`` (:mod:`nblaunch.engine.output.metrics_files`, which
+also reads it back with ``load_metrics``) and charts them (:mod:`nblaunch.notebook.charts`).
 """
 
 from __future__ import annotations

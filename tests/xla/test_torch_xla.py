@@ -17,8 +17,8 @@ if not hasattr(torch_xla, "__version__"):  # tests/devices' stand-in, not the re
 
 import nblaunch  # noqa: E402
 from nblaunch import notebook_launcher  # noqa: E402
-from nblaunch.engine.plan import plan_launch, serialize_payload  # noqa: E402
-from nblaunch.engine.run import Run  # noqa: E402
+from nblaunch.engine.plan.launch_plan import plan_launch, serialize_payload  # noqa: E402
+from nblaunch.engine.run.run import Run  # noqa: E402
 from nblaunch.notebook.views.recording import RecordingView  # noqa: E402
 from nblaunch.options import LaunchOptions  # noqa: E402
 

@@ -9,7 +9,8 @@ class RecordingView:
     """Keeps every event it is given, in order: a view for tests and for code that inspects a run.
 
     ``notebook_launcher``'s views are chosen by ``display=``; pass this one to
-    ``nblaunch.engine.run.Run(plan, RecordingView())`` to see exactly what a view would have shown.
+    ``nblaunch.engine.run.run.Run(plan, RecordingView())`` to see exactly what a view would have
+    shown.
     """
 
     def __init__(self) -> None:

@@ -1,0 +1,1 @@
+"""A pool's engine: its ranks through their life, what follows a task's end, releases, status."""

@@ -1,0 +1,440 @@
+"""A pool's ranks through their life: start, one task at a time, break, restart, close.
+
+:class:`PoolRanks` owns a pool's ranks and its engine (:class:`~nblaunch.engine.run.run.Run`): it
+starts them and waits until every one joined the process group, runs one task at a time
+(:mod:`nblaunch.engine.pool.task_end` decides what happens after it), breaks when a rank is lost,
+starts fresh ranks when one could not be stopped, and stops them. A process has at most one
+running pool (:func:`current_pool`). The notebook's :class:`~nblaunch.notebook.pool.Pool` adds
+what a person runs and sees; a detached pool's host runs this class headless.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import time
+from typing import Any, Protocol
+
+from nblaunch.engine.background.background_run import RUNNING, BackgroundTask
+from nblaunch.engine.clock import REAL_CLOCK, Clock
+from nblaunch.engine.monitors import collective_checks as checks
+from nblaunch.engine.plan.launch_plan import plan_launch
+from nblaunch.engine.pool import status as pool_status
+from nblaunch.engine.pool.status import PoolState
+from nblaunch.engine.pool.task_end import INTERRUPT_WAIT_S, AfterTask, run_task
+from nblaunch.engine.processes.backend import BackendFactory, ProcessBackend
+from nblaunch.engine.processes.supervisor import reap_let_go
+from nblaunch.engine.run import shutdown
+from nblaunch.engine.run.run import Run
+from nblaunch.errors import LaunchError, describe_exit
+from nblaunch.events import EventSink, NullView
+from nblaunch.options import DISPLAY_MODES, LaunchOptions
+
+# How long starting the ranks (imports, device, process group) may take.
+START_TIMEOUT_S = 120.0
+
+_current: PoolRanks | None = None
+_atexit_registered = False
+
+
+def current_pool() -> PoolRanks | None:
+    """The running pool of this kernel (also a broken one, so cells can say so), else ``None``."""
+    if _current is not None and _current.state is not PoolState.CLOSED:
+        return _current
+    return None
+
+
+def refuse_if_running(what: str) -> None:
+    """Raise ``LaunchError`` when a pool holds the ranks and devices.
+
+    Parameters
+    ----------
+    what
+        What was about to start (``"notebook_launcher"``), for the message.
+
+    Raises
+    ------
+    LaunchError
+        Naming the running pool and the two ways out.
+    """
+    pool = current_pool()
+    if pool is not None:
+        raise LaunchError(
+            f"{what} cannot start while a pool holds the devices: {pool.describe()}. "
+            "Run the work on the pool (pool.run(function, ...) or a %%distributed cell), "
+            "or stop the pool first (pool.close() or %dist stop)."
+        )
+
+
+class Nodes(Protocol):
+    """A pool's other machines (:class:`nblaunch.cluster.pool_nodes.PoolNodes`), as the pool's
+    ranks use them: the cluster package sits above the engine, so the engine names only this."""
+
+    options: Any  # NodeOptions
+
+    def plan(self, function: Any, num_processes: int | None, options: LaunchOptions) -> Any: ...
+
+    def new_run(self, plan: Any) -> Run: ...
+
+    def end_joins(self) -> None: ...
+
+
+def _pool_task() -> None:
+    """Stands in for the function during planning: a pool's tasks come later."""
+
+
+class PoolRanks:
+    """The ranks of a pool and its engine, through their life (see the module docstring).
+
+    The notebook's :class:`~nblaunch.notebook.pool.Pool` adds what a person runs on them; a
+    detached pool's host makes one directly, headless (``display="none"``).
+    """
+
+    def __init__(
+        self,
+        num_processes: int | None,
+        options: LaunchOptions,
+        nodes: Nodes | None = None,
+        display: str = "none",
+        start_timeout: float = START_TIMEOUT_S,
+        backend: BackendFactory = ProcessBackend,
+        clock: Clock = REAL_CLOCK,
+    ) -> None:
+        self.num_processes = num_processes
+        self.options = options
+        self.nodes = nodes  # a pool on several machines (None: this one only)
+        self.backend = backend
+        self.clock = clock
+        self.display = display
+        self.start_timeout = start_timeout
+        self.state = PoolState.CLOSED
+        self.problem = ""  # why the pool is broken
+        self.started_at = 0.0
+        self.start_s = 0.0  # how long the last start took
+        self.tasks_run = 0
+        self.last_task = ""  # what ran last, and how it ended
+        self.last_failed_rank: int | None = None  # whose failure %dist debug opens
+        self.current_task = ""
+        self.restarts = 0
+        self.engine: Run | None = None  # the engine, while the pool runs
+        # Notebook values every rank holds since %dist push (name -> the pushed object).
+        self.pushed: dict[str, Any] = {}
+        self._task_id = 0
+        self._pids: list[int | None] = []
+        self.background: BackgroundTask | None = None  # a task going on in a thread (--bg)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> PoolRanks:
+        """Start the ranks and wait until every one has joined the process group.
+
+        Raises
+        ------
+        LaunchError
+            Bad arguments, or another pool is running.
+        Exception
+            A rank's own exception when it failed to start.
+        """
+        global _current, _atexit_registered
+        other = current_pool()
+        if other is not None and other is not self:
+            raise LaunchError(
+                f"a pool is already running: {other.describe()}. Use it, restart it "
+                "(%dist restart or pool.restart()), or stop it first (%dist stop or pool.close())."
+            )
+        if self.state is not PoolState.CLOSED:
+            raise LaunchError(f"this pool is already {self.state.value}; close() it first")
+        if self.display not in DISPLAY_MODES:
+            raise LaunchError(f"display={self.display!r} is not one of {', '.join(DISPLAY_MODES)}")
+        if self.nodes is None:
+            plan = plan_launch(_pool_task, self.num_processes, self.options)
+        else:
+            plan = self.nodes.plan(_pool_task, self.num_processes, self.options)
+        self.state = PoolState.STARTING
+        self.problem = ""
+        _current = self
+        if not _atexit_registered:
+            atexit.register(_close_current)
+            _atexit_registered = True
+        began = time.monotonic()
+        self.engine = None
+        self.pushed.clear()  # fresh ranks hold nothing
+        try:
+            run = self.engine = self._new_run(plan)
+            run.start()
+            run.await_started(self.start_timeout)
+        except BaseException:
+            self._shut_down(grace=1.0)
+            self.state = PoolState.CLOSED
+            _current = None
+            raise
+        self.start_s = time.monotonic() - began
+        self._pids = [rank.pid for rank in run.backend.ranks]
+        self.started_at = time.time()
+        self.state = PoolState.IDLE
+        return self
+
+    def close(self) -> None:
+        """Stop every rank (asking nicely first) and release the pool; safe to call twice.
+
+        The other nodes of a multi-node pool stop their ranks and their ``join`` ends.
+        """
+        self._close(rejoin=False)
+
+    def restart(self, num_nodes: int | None = None) -> PoolRanks:
+        """Stop the ranks and start fresh ones with the same options (their state is gone).
+
+        The other nodes of a multi-node pool join the new start by themselves; ``num_nodes``
+        changes how many take part (after a node was lost, the nodes that remain).
+        """
+        if num_nodes is not None:
+            if self.nodes is None:
+                raise LaunchError("num_nodes: this pool runs on this machine only")
+            # checked before closing
+            self.nodes.options = self.nodes.options.replace(num_nodes=num_nodes)
+        self._close(rejoin=True)
+        self.restarts += 1
+        return self.start()
+
+    def _close(self, rejoin: bool) -> None:
+        global _current
+        if self.state is PoolState.CLOSED:
+            return
+        if self.background is not None and self.background.state == RUNNING:
+            self.background.stop()  # interrupt the task first, as the interrupt button would
+            self.background.wait(INTERRUPT_WAIT_S + 5.0)
+        run = self.engine
+        if run is not None and self.state is PoolState.IDLE:
+            run.hang_up(limit_s=3.0)
+        self._shut_down(grace=1.0, rejoin=rejoin)
+        if not rejoin and self.nodes is not None:
+            self.nodes.end_joins()
+        reap_let_go(wait=True)  # closed means gone: their memory is free again
+        self.state = PoolState.CLOSED
+        if _current is self:
+            _current = None
+
+    def __enter__(self) -> PoolRanks:
+        if self.state is PoolState.CLOSED:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a forgotten pool still stops its ranks
+        with contextlib.suppress(Exception):
+            if self.state is not PoolState.CLOSED:
+                self.close()
+
+    # --- one task at a time --------------------------------------------------------------------
+
+    def run_payload(
+        self,
+        payload: bytes,
+        *,
+        ranks: list[int] | None = None,
+        description: str = "",
+        timeout: float | None = None,
+        hang_timeout: float | None = None,
+        view: EventSink | None = None,
+    ) -> list[Any]:
+        """Run a serialised ``(function, args, kwargs)`` as one task; return values by rank.
+
+        Parameters
+        ----------
+        payload
+            From :func:`~nblaunch.engine.plan.launch_plan.serialize_payload`.
+        ranks
+            The ranks to run on (default all); values come back in rank order.
+        description
+            What runs, for ``%dist status``.
+        timeout
+            Fail the task with ``LaunchTimeoutError`` after this many seconds.
+        hang_timeout
+            For this task, instead of the pool's ``hang_timeout``.
+        view
+            Where the task's events go (default: nowhere; a detached pool's host sends them to
+            the notebook, the notebook's pool to the view it chose).
+
+        Raises
+        ------
+        LaunchError
+            The pool is stopped, busy or broken, or ``ranks`` is not valid; nothing ran.
+        KeyboardInterrupt
+            The task was interrupted; the ranks are ready for the next one.
+        """
+        task_ranks = self.task_ranks(ranks)
+        hang_timeout = self.options.hang_timeout if hang_timeout is None else hang_timeout
+        return self.run_task(
+            payload, task_ranks, view or NullView(), description, timeout, hang_timeout
+        )
+
+    def task_ranks(self, ranks: list[int] | None) -> list[int]:
+        """The ranks a task asked for, checked; raises ``LaunchError`` unless the pool can take
+        a task on them now."""
+        self._check_usable()
+        task_ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
+        if not task_ranks or any(not 0 <= r < self.world_size for r in task_ranks):
+            raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{self.world_size - 1}")
+        return task_ranks
+
+    def run_task(
+        self,
+        payload: bytes,
+        task_ranks: list[int],
+        view: EventSink,
+        description: str,
+        timeout: float | None,
+        hang_timeout: float | None,
+    ) -> list[Any]:
+        """Run one task on ``task_ranks`` (from :meth:`task_ranks`), its events to ``view``."""
+        run = self.engine
+        self._task_id += 1
+        self.state = PoolState.BUSY
+        self.current_task = description or "a task"
+        try:
+            report = run_task(
+                run,
+                payload,
+                self._task_id,
+                task_ranks,
+                view,
+                timeout=timeout,
+                hang_timeout=hang_timeout,
+                first=self.tasks_run == 0,
+                describe_node=self._describe_node,
+            )
+            self.last_task = f"{self.current_task} ({'ok' if report.ok else 'failed'})"
+            if report.end.after is AfterTask.BROKEN:
+                self._break(report.end.problem)
+            elif report.end.after is AfterTask.RESTART:
+                self._replace_ranks()
+            else:
+                self.state = PoolState.IDLE
+        finally:
+            self.current_task = ""
+            if self.state is PoolState.BUSY:  # the task did not end cleanly: trust no rank
+                self._break("a task did not end cleanly (see the error above)")
+        self.tasks_run += 1
+        if report.raises:
+            self.last_failed_rank = report.failed_rank
+        try:
+            return report.conclude()
+        finally:  # the values are the caller's now: a pull's 50 MB is not kept to the next task
+            run.outcome.results.clear()
+
+    # --- information -----------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks (0 before the first start)."""
+        return self.engine.plan.world_size if self.engine is not None else 0
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Process ids of the ranks, by rank (of the last start, after ``close`` too)."""
+        return list(self._pids)
+
+    @property
+    def task_id(self) -> int:
+        """The number of the last task started (0 before the first)."""
+        return self._task_id
+
+    def describe(self) -> str:
+        """One line: how many ranks, on what, which processes, in what state."""
+        return pool_status.describe(self)
+
+    def status(self) -> list[dict[str, Any]]:
+        """One row per rank: pid, alive, state, memory (RSS; device memory on GPUs), names.
+
+        When the pool is idle, this asks the ranks (a task of a few milliseconds) for their
+        device memory and the names earlier cells defined.
+        """
+        return pool_status.status(self)
+
+    def status_text(self) -> str:
+        """What ``%dist status`` prints."""
+        return pool_status.status_text(self)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _new_run(self, plan: Any) -> Run:
+        """The engine: this machine's ranks, or with the other nodes once they all joined."""
+        if self.nodes is None:
+            return Run(plan, NullView(), backend=self.backend, clock=self.clock)
+        return self.nodes.new_run(plan)
+
+    def _check_usable(self) -> None:
+        """Raise ``LaunchError`` unless the pool can take a task now."""
+        if self.state is PoolState.CLOSED:
+            raise LaunchError(
+                "the pool is stopped; start one with %dist start -n N or nblaunch.start_pool(N)"
+            )
+        if self.background is not None and self.background.state == RUNNING:
+            raise LaunchError(
+                f"the pool is busy with a background cell ({self.current_task}): %dist wait "
+                "for it, or stop it with nblaunch.runs()[0].stop(); its names stay"
+            )
+        if self.state in (PoolState.STARTING, PoolState.BUSY):
+            raise LaunchError(f"the pool is busy: {self.describe()}")
+        if self.state is PoolState.IDLE:  # a rank may have died since the last task
+            dead = self.engine.backend.reap()
+            if dead:
+                words, _ = describe_exit(dead[0].exitcode)
+                self._break(f"rank {dead[0].rank} (pid {dead[0].pid}) {words} between cells")
+        if self.state is PoolState.BROKEN:
+            raise LaunchError(
+                f"the pool cannot run cells: {self.problem}. Run %dist restart (or "
+                "pool.restart()) for fresh ranks, whose names from earlier cells are gone; "
+                "or %dist stop."
+            )
+
+    def _describe_node(self, rank: int) -> str:
+        """``node 1 (host)``: the node of ``rank`` in a multi-node pool."""
+        assert self.engine is not None
+        node = rank // self.engine.plan.nproc_per_node
+        return f"node {node} ({self.engine.head.hosts.get(node, '?')})"
+
+    def _break(self, problem: str) -> None:
+        """A rank died: stop the others (their process group is broken) and remember why."""
+        self.problem = problem
+        self._shut_down(grace=1.0, close_pipes=False)
+        self.state = PoolState.BROKEN
+
+    def _replace_ranks(self) -> None:
+        """Restart ranks that could not be stopped politely (the caller tells the person)."""
+        global _current
+        self._shut_down(grace=1.0)
+        self.state = PoolState.CLOSED
+        self.restarts += 1
+        try:
+            self.start()
+        except Exception as exc:  # the task's error carries the note; the pool says why
+            self.state = PoolState.BROKEN
+            self.problem = f"restarting the ranks failed: {type(exc).__name__}: {exc}"
+            _current = self
+
+    def _shut_down(self, grace: float, close_pipes: bool = True, rejoin: bool = True) -> None:
+        run = self.engine
+        if run is None:
+            return
+        with contextlib.suppress(Exception):
+            run.backend.stop(grace=grace)
+        checks.close_reader(run.plan)  # its ranks are gone; a restart makes a new one
+        if close_pipes:  # a broken pool keeps its other nodes until it is restarted or closed
+            with contextlib.suppress(Exception):
+                run.release_nodes(rejoin)
+            with contextlib.suppress(Exception):
+                if run.relay is not None:
+                    run.relay.close()
+            shutdown.release_run_dir(run)
+            with contextlib.suppress(Exception):
+                run.backend.close()
+
+
+def _close_current() -> None:
+    pool = current_pool()
+    if pool is not None and not getattr(pool, "detached", False):  # a detached one goes on
+        with contextlib.suppress(Exception):
+            pool.close()

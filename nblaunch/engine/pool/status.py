@@ -1,0 +1,129 @@
+"""What ``%dist status`` and a busy pool's messages say about a pool.
+
+Functions of a :class:`~nblaunch.engine.pool.pool_engine.PoolRanks`; the pool's methods of the same
+names call them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from typing import TYPE_CHECKING, Any
+
+from nblaunch.engine.plan.launch_plan import serialize_payload
+from nblaunch.events import NullView
+from nblaunch.ranks import namespace
+
+if TYPE_CHECKING:
+    from nblaunch.engine.pool.pool_engine import PoolRanks
+
+
+class PoolState(str, enum.Enum):
+    """Lifecycle of a pool, as ``%dist status`` shows it."""
+
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+    BROKEN = "broken"  # a rank died: only restart or stop help
+    CLOSED = "closed"
+
+
+def describe(pool: PoolRanks) -> str:
+    """One line: how many ranks, on what, which processes, in what state."""
+    if pool.engine is None:
+        return f"a pool ({pool.state.value})"
+    plan = pool.engine.plan
+    pids = ", ".join(str(p) for p in pool.pids)
+    nodes = pids_here = ""
+    if pool.nodes is not None:
+        nodes, pids_here = f" on {plan.num_nodes} nodes", " here"
+    text = (
+        f"a pool of {plan.world_size} {plan.device_kind} rank(s){nodes} "
+        f"({plan.start_method}{', debug' if plan.debug else ''}; pids{pids_here} {pids}), "
+        f"{pool.state.value}"
+    )
+    if pool.state is PoolState.BUSY:
+        text += f" running {pool.current_task}"
+    if pool.state is PoolState.BROKEN:
+        text += f": {pool.problem}"
+    return text
+
+
+def status(pool: PoolRanks) -> list[dict[str, Any]]:
+    """One row per rank: pid, alive, state, memory (RSS; device memory on GPUs), names.
+
+    When the pool is idle, this asks the ranks (a task of a few milliseconds) for their
+    device memory and the names earlier cells defined.
+    """
+    import psutil
+
+    rows: list[dict[str, Any]] = []
+    if pool.engine is None or pool.state is PoolState.CLOSED:
+        return rows
+    rank_info: dict[int, dict[str, Any]] = {}
+    if pool.state is PoolState.IDLE:
+        with contextlib.suppress(Exception):
+            values = pool.run_payload(
+                serialize_payload(namespace.rank_info),
+                description="%dist status",
+                view=NullView(),
+            )
+            rank_info = dict(enumerate(values))
+            pool.tasks_run -= 1  # asking for the status is not the person's work
+    local = {process.rank: process.pid for process in pool.engine.backend.ranks}
+    for rank in range(pool.world_size):
+        info = rank_info.get(rank, {})
+        row: dict[str, Any] = {"rank": rank, "pid": local.get(rank), "alive": False}
+        if rank in local:
+            with contextlib.suppress(psutil.Error, ValueError, TypeError):
+                process = psutil.Process(row["pid"])
+                row["alive"] = process.status() != psutil.STATUS_ZOMBIE
+                row["rss_mb"] = process.memory_info().rss / 2**20
+        else:  # another node's: alive if it answered just now
+            row["alive"] = "pid" in info
+        if pool.nodes is not None:
+            row["node"] = node = rank // pool.engine.plan.nproc_per_node
+            row["host"] = pool.engine.head.hosts.get(node, "?")
+        if not row["alive"]:
+            row["state"] = "dead"
+        else:
+            row["state"] = "idle" if pool.state is PoolState.IDLE else pool.state.value
+        row.update(info)
+        rows.append(row)
+    return rows
+
+
+def status_text(pool: PoolRanks) -> str:
+    """What ``%dist status`` prints."""
+    if pool.state is PoolState.CLOSED:
+        return "nblaunch pool: stopped; %dist start -n N starts one"
+    lines = [f"nblaunch pool: {pool.describe()}, up {_seconds(time.time() - pool.started_at)}"]
+    lines.append(
+        f"  cells run: {pool.tasks_run}; last: {pool.last_task or 'none'}; "
+        f"restarts: {pool.restarts}; logs in {pool.engine.plan.run_dir}"
+    )
+    for row in pool.status():
+        memory = f"{row['rss_mb']:.0f} MB RSS" if "rss_mb" in row else "memory unknown"
+        if row.get("device_mb") is not None:
+            memory += f", {row['device_mb']:.0f} MB allocated on {row['device']}"
+        names = row.get("names")
+        defined = ""
+        if names is not None:
+            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            defined = f"; {len(names)} name(s) defined" + (f": {shown}" if names else "")
+        where = f" on node {row['node']} ({row['host']})" if "node" in row else ""
+        lines.append(
+            f"  rank {row['rank']}{where}: pid {row['pid']}, {row['state']}, {memory}{defined}"
+        )
+    if pool.state is PoolState.BROKEN:
+        lines.append("  run %dist restart for fresh ranks, or %dist stop")
+    return "\n".join(lines)
+
+
+def _seconds(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
