@@ -30,8 +30,8 @@ from nblaunch.cluster.channel import (
 from nblaunch.cluster.plan import MultiNodePlan
 from nblaunch.cluster.trust import RunSecret
 from nblaunch.engine.output.relay import Relay
+from nblaunch.engine.processes.stopper import STOP_GRACE_S
 from nblaunch.engine.processes.supervisor import Supervisor, signal_pid
-from nblaunch.engine.run.shutdown import STOP_GRACE_S
 from nblaunch.errors import AuthenticationError
 from nblaunch.events import STOP, task_message
 

@@ -58,7 +58,8 @@ from nblaunch.cluster.head import Head
 from nblaunch.cluster.node_start import NodeStarter
 from nblaunch.cluster.plan import MultiNodePlan, plan_nodes
 from nblaunch.cluster.store import require_store_queues, signal_handlers_kept
-from nblaunch.engine.output.relay import Relay
+from nblaunch.engine.monitors.protocol import Monitor
+from nblaunch.engine.output.relay import EventSource, Relay
 from nblaunch.engine.plan.launch_plan import serialize_payload
 from nblaunch.engine.run.run import Run
 from nblaunch.engine.verdict import Cause, RootCause
@@ -215,6 +216,8 @@ class _NodeMonitor:
     def on_event(self, run: Run, event: dict[str, Any]) -> None:
         pass
 
+    def ranks_ended(self) -> None: ...  # nothing of the ranks' is held here
+
     def check(self, run: Run) -> RootCause | None:
         head = self.head
         stopped = "the run was stopped on every node"
@@ -282,38 +285,37 @@ class MultiNodeRun(Run):
     restarts_ranks = False  # other nodes' ranks cannot be started again from here
 
     def __init__(self, plan: MultiNodePlan, view: EventSink, head: Head) -> None:
+        self.head = head  # before the run's own set-up, which asks for its monitors
         super().__init__(plan, view)
-        self.head = head
         self.announced = True  # the head showed the header before the rendezvous
-        self.monitors.append(_NodeMonitor(head))
+
+    # --- the hooks of a Run ---------------------------------------------------------------------
 
     def start_processes(self) -> None:
         plan: MultiNodePlan = self.plan  # type: ignore[assignment]
         self.backend.start(plan.local_ranks, setup=plan.setup_message)
 
-    def start(self) -> None:
-        super().start()
-        assert self.relay is not None
-        self.relay.add_source(RemoteNodes(self.head, self.relay))
+    def more_monitors(self) -> list[Monitor]:
+        return [_NodeMonitor(self.head)]
 
-    def begin_task(self, view: EventSink, ranks: list[int], **options: Any) -> None:
-        super().begin_task(view, ranks, **options)
-        self.monitors.append(_NodeMonitor(self.head))
+    def event_sources(self, relay: Relay) -> list[EventSource]:
+        return [RemoteNodes(self.head, relay)]
 
-    def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
-        """Send the task to this node's ranks among ``ranks``; a pool's other nodes read it
-        from the store (a one-shot run's took theirs at the rendezvous)."""
-        super().send_task(payload, task_id, ranks)
+    def task_sent(self, task_id: int, payload: bytes) -> None:
+        """A pool's other nodes read the task from the store (a one-shot run's took theirs at
+        the rendezvous)."""
         if self.plan.pool:  # type: ignore[attr-defined]
             self.head.publish_task(task_id, self.task_ranks, payload)
 
-    def interrupt(self, ranks: list[int]) -> None:
-        """Interrupt ``ranks`` of the task: this node's by signal, the others' through the store."""
-        local = {rank.rank for rank in self.backend.ranks}
-        super().interrupt([r for r in ranks if r in local])
-        remote = [r for r in ranks if r not in local]
-        if remote:
-            self.head.interrupt(remote)
+    def interrupt_elsewhere(self, ranks: list[int]) -> None:
+        self.head.interrupt(ranks)
+
+    def stopping(self, ok: bool | None) -> None:
+        if ok is None:
+            self.head.control(CONTROL_INTERRUPT)
+        else:
+            reason = "" if ok else _reason(self.outcome.root)
+            self.head.control(CONTROL_OK if ok else CONTROL_STOP, reason)
 
     def release_nodes(self, rejoin: bool) -> None:
         """Tell the other nodes to stop their ranks, and either exit or join this pool's next
@@ -322,23 +324,6 @@ class MultiNodeRun(Run):
         if self.relay is not None:
             self.relay.drain_output(timeout=0.5)
         self.head.close()
-
-    def on_event(self, event: dict[str, Any]) -> None:
-        if event["kind"] == "death":
-            self.on_death(event["rank"], event["exitcode"])
-            self.outcome.failures[-1].message += f" (on node {event['node']}, {event['host']})"
-            return
-        super().on_event(event)
-
-    def stop_on_interrupt(self) -> None:
-        self.head.control(CONTROL_INTERRUPT)
-        super().stop_on_interrupt()
-
-    def finish(self) -> None:
-        root = self.outcome.root
-        ok = len(self.outcome.results) == self.plan.world_size and root is None
-        self.head.control(CONTROL_OK if ok else CONTROL_STOP, "" if ok else _reason(root))
-        super().finish()
 
 
 def _reason(root: RootCause | None) -> str:

@@ -77,6 +77,8 @@ class BatchSizeMonitor:
             if run.states.get(each) in (RunState.RUNNING, RunState.RETRYING):
                 run.set_state(each, state)
 
+    def ranks_ended(self) -> None: ...  # nothing of the ranks' is held here
+
     def check(self, run: RunContext) -> RootCause | None:
         if not self._waiting or run.outcome.failures:
             return None  # a rank's own failure is the root cause; the launcher reports it

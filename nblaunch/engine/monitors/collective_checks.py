@@ -238,15 +238,6 @@ def reader_for(plan: LaunchPlan) -> CallReader:
     return reader
 
 
-def close_reader(plan: LaunchPlan) -> None:
-    """Close the reader of ``plan``'s ranks, if any: they were stopped (each reader is a
-    listening socket, and a run's plan outlives it in the handles ``runs()`` keeps)."""
-    address = plan.options.get("checks_address")
-    reader = _readers.pop(address, None) if address else None
-    if reader is not None:
-        reader.close()
-
-
 def compare(records: dict[int, Any], complete: bool) -> str | None:
     """Debug mode's report for the records of one collective (by rank), or ``None`` if they agree.
 
@@ -449,6 +440,13 @@ class CollectiveChecks:
             recorded = group + RECORDED_SUFFIX
             if self.highest.get((task, recorded, rank), 0) < call["predicted"]:
                 self._take({**call, "group": recorded, "n": call["predicted"], "predicted": None})
+
+    def ranks_ended(self) -> None:
+        """The ranks were stopped: close their reader (a listening socket, and a run's plan
+        outlives it in the handles ``runs()`` keeps); fresh ranks get a new one."""
+        if self.reader is not None:
+            _readers.pop(self.reader.address, None)
+            self.reader.close()
 
     def check(self, run: RunContext) -> RootCause | None:
         if self.reader is not None and not self.reported:

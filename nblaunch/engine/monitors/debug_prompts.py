@@ -71,6 +71,8 @@ class DebugPrompts:
         elif kind == "debug_end":
             self._left(run, event)
 
+    def ranks_ended(self) -> None: ...  # nothing of the ranks' is held here
+
     def check(self, run: RunContext) -> None:
         return None
 

@@ -100,6 +100,8 @@ class HangMonitor:
             if all(r in self.returned for r in self.beats):  # every rank of the task returned
                 self._publish_straggler(run, final=True)
 
+    def ranks_ended(self) -> None: ...  # nothing of the ranks' is held here
+
     def check(self, run: RunContext) -> RootCause | None:
         if self._done:
             return None

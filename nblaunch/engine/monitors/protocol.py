@@ -62,3 +62,7 @@ class Monitor(Protocol):
 
         A monitor's root cause carries the exception the caller gets (``exception``).
         """
+
+    def ranks_ended(self) -> None:
+        """This machine's ranks were stopped: let go of what served them (called again when
+        the run closes, so it must be safe to call twice)."""

@@ -17,14 +17,12 @@ from typing import Any, Protocol
 
 from nblaunch.engine.background.background_run import RUNNING, BackgroundTask
 from nblaunch.engine.clock import REAL_CLOCK, Clock
-from nblaunch.engine.monitors import collective_checks as checks
 from nblaunch.engine.plan.launch_plan import plan_launch
 from nblaunch.engine.pool import status as pool_status
 from nblaunch.engine.pool.status import PoolState
 from nblaunch.engine.pool.task_end import INTERRUPT_WAIT_S, AfterTask, run_task
 from nblaunch.engine.processes.backend import BackendFactory, ProcessBackend
 from nblaunch.engine.processes.supervisor import reap_let_go
-from nblaunch.engine.run import shutdown
 from nblaunch.engine.run.run import Run
 from nblaunch.errors import LaunchError, describe_exit
 from nblaunch.events import EventSink, NullView
@@ -420,17 +418,10 @@ class PoolRanks:
         if run is None:
             return
         with contextlib.suppress(Exception):
-            run.backend.stop(grace=grace)
-        checks.close_reader(run.plan)  # its ranks are gone; a restart makes a new one
+            run.stop_ranks(grace=grace)
         if close_pipes:  # a broken pool keeps its other nodes until it is restarted or closed
             with contextlib.suppress(Exception):
-                run.release_nodes(rejoin)
-            with contextlib.suppress(Exception):
-                if run.relay is not None:
-                    run.relay.close()
-            shutdown.release_run_dir(run)
-            with contextlib.suppress(Exception):
-                run.backend.close()
+                run.close(rejoin=rejoin)
 
 
 def _close_current() -> None:

@@ -63,6 +63,8 @@ class Releaser:
         elif not self.in_flight:
             self.wait_until = run.now() + AFTER_RELEASE_S
 
+    def ranks_ended(self) -> None: ...  # nothing of the ranks' is held here
+
     def check(self, run: Any) -> None:
         return None
 

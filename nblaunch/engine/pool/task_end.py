@@ -325,6 +325,8 @@ class TaskGuard:
         if event["kind"] == "heartbeat":
             self.last_heartbeat[event["rank"]] = event
 
+    def ranks_ended(self) -> None: ...  # nothing of the ranks' is held here
+
     def check(self, run: Any) -> None:
         if self.interrupts:
             raise KeyboardInterrupt

@@ -10,18 +10,11 @@ restarts are spent.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from nblaunch import tracebacks
-from nblaunch.engine.monitors.registry import parent_monitors
-from nblaunch.engine.plan.launch_plan import choose_port
-from nblaunch.engine.run.shutdown import STOP_GRACE_S
-from nblaunch.engine.verdict import Cause, Outcome, RootCause
+from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import add_note
-from nblaunch.events import RunState, diagnosis
-
-if TYPE_CHECKING:
-    from nblaunch.engine.run.run import Run
+from nblaunch.events import Event, diagnosis
 
 # Ends of an attempt that a restart may cure, as torchrun counts them: a worker that failed or
 # died, and a hang (torchrun would wait for it forever). timeout= is the caller's own deadline,
@@ -73,34 +66,9 @@ class Attempts:
         add_note(exc, f"attempt {total} of {total} ended as above: no restarts left")
 
 
-def restart_after_failure(run: Run, payload: bytes) -> None:
-    """Start ``run`` again after its attempt ended in a failure, a death or a hang: the view
-    says why, and the new ranks see the next ``TORCHELASTIC_RESTART_COUNT``."""
-    root = run.outcome.root
-    assert root is not None
-    message = run.attempts.record(root)
-    body = tracebacks.without_launcher_text(root.traceback)  # from the user's frame on
-    run.publish(diagnosis(message, body, "warning", root.rank))
-    run.plan.restart_count = run.attempts.restarts
-    start_again(run, payload, message)
-
-
-def start_again(run: Run, payload: bytes, detail: str) -> None:
-    """Stop every rank of ``run``, start fresh processes on a new port and send them the task
-    again (their states say ``detail``); output and log files carry on."""
-    assert run.relay is not None
-    old = run.backend
-    old.stop(grace=STOP_GRACE_S)
-    run.relay.drain_output(timeout=1.0)
-    for rank in old.ranks:
-        run.relay.remove(rank)
-    old.close()
-    run.plan.master_port = choose_port(run.plan.master_addr, None)
-    run.outcome = Outcome()
-    run.monitors = parent_monitors(run.plan)  # fresh processes, fresh observations
-    run.backend = run.make_backend(run.plan.world_size, run.plan.start_method)
-    run.start_processes()
-    for rank in run.backend.ranks:
-        run.relay.add(rank)
-        run.set_state(rank.rank, RunState.STARTING, detail)
-    run.send_task(payload)
+def restart_notice(attempts: Attempts, root: RootCause) -> tuple[str, Event]:
+    """Count a restart after ``root``: the line the ranks' states show, and the diagnosis the
+    view shows for it (the failing rank's traceback from the user's frame on)."""
+    message = attempts.record(root)
+    body = tracebacks.without_launcher_text(root.traceback)
+    return message, diagnosis(message, body, "warning", root.rank)

@@ -11,68 +11,39 @@ all drive it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import threading
 import time
 from typing import Any
 
 from nblaunch.engine import verdict
-from nblaunch.engine.clock import REAL_CLOCK, Clock, Pauses
 from nblaunch.engine.monitors.protocol import Monitor
-from nblaunch.engine.monitors.registry import parent_monitors
 from nblaunch.engine.output.relay import Relay
-from nblaunch.engine.plan.launch_plan import LaunchPlan
-from nblaunch.engine.processes.backend import BackendFactory, ProcessBackend
-from nblaunch.engine.run import restarts, shutdown
-from nblaunch.engine.run.restarts import Attempts
+from nblaunch.engine.plan.launch_plan import choose_port
+from nblaunch.engine.processes.stopper import KNOWN_CAUSE_GRACE_S, STOP_GRACE_S, Stopper
+from nblaunch.engine.run.context import RunBase
+from nblaunch.engine.run.restarts import restart_notice
 from nblaunch.engine.verdict import Cause, Outcome, RootCause
 from nblaunch.errors import LaunchError
-from nblaunch.events import STOP, Event, EventSink, NullView, RunState, task_message
+from nblaunch.events import STOP, EventSink, NullView, RunState, task_message
+
+# Causes after which the other ranks are most likely blocked in a collective they cannot finish:
+# they get half a second to stop, and being killed is no news.
+KNOWN_CAUSES = (Cause.FAILURE, Cause.DEATH, Cause.HANG, Cause.MISMATCH)
 
 # --- running -------------------------------------------------------------------------------------
 
 
-class Run:
-    """One launch: start the ranks, watch them, stop them, report.
+class Run(RunBase):
+    """One launch through its life: start the ranks, watch them, restart them, stop them.
 
-    Parameters
-    ----------
-    plan
-        The validated launch plan.
-    view
-        Where events go (widget, text, none).
-    backend
-        Makes the ranks (``backend(world_size, start_method)``); real processes by default.
-    clock
-        The time every judgement reads (hang, grace periods, ``timeout=``); real by default.
+    What its monitors and its caller see of it, and the hooks a run on several machines changes,
+    are :class:`~nblaunch.engine.run.context.RunBase`'s (its parameters too).
     """
 
     # Whether a monitor may have every rank stopped and started again (a batch-size restart):
     # only ranks this machine started can be; otherwise the request's own exception is raised.
     restarts_ranks = True
-
-    def __init__(
-        self,
-        plan: LaunchPlan,
-        view: EventSink,
-        backend: BackendFactory = ProcessBackend,
-        clock: Clock = REAL_CLOCK,
-    ) -> None:
-        self.plan = plan
-        self.view = view
-        self.make_backend = backend
-        self.clock = clock
-        self.backend = backend(plan.world_size, plan.start_method)
-        self.relay: Relay | None = None
-        self.outcome = Outcome()
-        self.started_at = time.time()
-        self.states: dict[int, RunState] = {}
-        self.monitors = parent_monitors(plan)
-        self.task_ranks: list[int] = list(range(plan.world_size))  # the ranks running a task
-        self.announced = False  # the run's header was shown
-        self.pauses = Pauses(clock)  # the clocks stand still while a rank waits in the debugger
-        self._stop = threading.Event()  # request_stop: another thread asks this run to stop
-        self.attempts = Attempts(plan.max_restarts)  # restarts after a failure (max_restarts=)
 
     def execute(self, payload: bytes, *, started: bool = False) -> list[Any]:
         """Run the payload on every rank and return the results, or raise the root cause.
@@ -87,13 +58,7 @@ class Run:
                 self.start()
             self.send_task(payload)
             self.watch()
-            while True:
-                if self._restart_requested():  # e.g. a peer's out-of-memory left ranks blocked
-                    self._restart(payload)
-                elif self.restarts_ranks and self.attempts.due(self.outcome.root):
-                    restarts.restart_after_failure(self, payload)
-                else:
-                    break
+            while self.restart_if_due(payload):
                 self.watch()
         except KeyboardInterrupt:
             interrupted = True
@@ -109,6 +74,8 @@ class Run:
         announce the run (unless a front end did already)."""
         self.start_processes()
         self.relay = Relay(self.backend.ranks, self.view, self.plan.run_dir, self.clock)
+        for source in self.event_sources(self.relay):
+            self.relay.add_source(source)
         if not self.announced:
             self.announce()
         for rank in range(self.plan.world_size):
@@ -172,7 +139,7 @@ class Run:
         self.outcome = Outcome()
         self.states = {}
         self.started_at = time.time()
-        self.monitors = [*monitors, *parent_monitors(self.plan)]
+        self.monitors = [*monitors, *self.new_monitors()]
         self.pauses.reset()
 
     def hang_up(self, limit_s: float) -> None:
@@ -180,7 +147,8 @@ class Run:
         pipes or exited (at most ``limit_s``); those still exiting are left to finish alone."""
         for rank in self.backend.ranks:
             self.backend.send(rank, {"kind": STOP})
-        shutdown.relay_until_hung_up(self, limit_s)
+        assert self.relay is not None
+        self.stopper().hang_up(self.relay.hung_up, limit_s)
 
     def send_task(self, payload: bytes, task_id: int = 0, ranks: list[int] | None = None) -> None:
         """Send one task to ``ranks`` (default: all); the run then waits for those ranks only."""
@@ -189,6 +157,7 @@ class Run:
         for rank in self.backend.ranks:  # this machine's (a multi-node run has others)
             if rank.rank in self.task_ranks:
                 self.backend.send(rank, message)
+        self.task_sent(task_id, payload)
 
     def request_stop(self) -> None:
         """Stop this run as an interrupt would, from any thread: the run's own thread raises
@@ -197,22 +166,11 @@ class Run:
 
     def interrupt(self, ranks: list[int]) -> None:
         """A KeyboardInterrupt in the task of each of ``ranks`` (SIGINT)."""
-        self.backend.interrupt(ranks)
-
-    def release_nodes(self, rejoin: bool) -> None:
-        """Let go of other nodes (a multi-node pool's); a single-node run has none."""
-
-    def publish(self, event: Event) -> None:
-        if self.relay is not None:
-            self.relay.publish(event)
-        else:
-            self.view.handle(event)
-
-    def set_state(self, rank: int, state: RunState, detail: str = "") -> None:
-        if self.states.get(rank) == state and not detail:
-            return
-        self.states[rank] = state
-        self.publish({"kind": "state", "rank": rank, "state": state, "detail": detail})
+        here = {rank.rank for rank in self.backend.ranks}
+        self.backend.interrupt([r for r in ranks if r in here])
+        elsewhere = [r for r in ranks if r not in here]
+        if elsewhere:
+            self.interrupt_elsewhere(elsewhere)
 
     # --- watching --------------------------------------------------------------------------------
 
@@ -261,43 +219,15 @@ class Run:
                 outcome.root = verdict.timed_out(outcome, self.plan.world_size, self.plan.timeout)
                 return
 
-    # --- for features: pauses, a rank's pipe, the view ------------------------------------------
-
-    def pause(self, key: object) -> None:
-        """Stop the clocks while ``key`` (a rank in the debugger) waits for the person."""
-        self.pauses.pause(key)
-
-    def resume(self, key: object) -> None:
-        self.pauses.resume(key)
-
-    def now(self) -> float:
-        """The run's clock (monotonic seconds)."""
-        return self.clock.now()
-
-    def seconds_since_output(self, rank: int) -> float | None:
-        """How long ago ``rank`` last wrote anything; None before its first output."""
-        last = self.relay.last_output.get(rank) if self.relay is not None else None
-        return None if last is None else self.now() - last
-
-    def runs_here(self, rank: int) -> bool:
-        """True when ``rank`` is a process of this machine (not another node's)."""
-        return any(process.rank == rank for process in self.backend.ranks)
-
-    def send_to_rank(self, rank: int, message: dict[str, Any]) -> bool:
-        """Send a message down a rank's pipe; False when it is not here or has gone."""
-        process = next((p for p in self.backend.ranks if p.rank == rank), None)
-        return process is not None and self.backend.send(process, message)
-
-    def show_now(self) -> None:
-        """Render the view at once (before something blocks this thread)."""
-        self.view.flush(force=True)
-
     def on_event(self, event: dict[str, Any]) -> None:
         for monitor in self.monitors:
             monitor.on_event(self, event)
         kind = event["kind"]
         rank = event.get("rank")
-        if kind == "started":
+        if kind == "death":  # another node's rank ended without saying so
+            self.on_death(rank, event["exitcode"])
+            self.outcome.failures[-1].message += f" (on node {event['node']}, {event['host']})"
+        elif kind == "started":
             self.set_state(rank, RunState.RUNNING)
         elif kind == "result":
             self.outcome.results[rank] = event["value_bytes"]
@@ -310,70 +240,126 @@ class Run:
             if rank in self.outcome.results:
                 self.set_state(rank, RunState.DONE)
 
-    def _restart_requested(self) -> bool:
-        root = self.outcome.root
-        return root is not None and root.cause is Cause.RESTART and self.restarts_ranks
-
-    def _restart(self, payload: bytes) -> None:
-        """Stop every rank and start them again with the setup options a monitor asked for.
-
-        :class:`~nblaunch.engine.monitors.batch_size.BatchSizeMonitor` asks for this when a rank ran
-        out of memory while its peers were blocked in a collective of the same step: only fresh
-        processes, all at the smaller batch size, can go on from there. Output and log files
-        carry on.
-        """
-        request = self.outcome.root
-        assert request is not None
-        if request.progress:
-            self.publish(request.progress)
-        self.plan.options.update(request.options)
-        restarts.start_again(self, payload, request.message)
-
     def on_death(self, rank: int, exitcode: int | None, after_return: bool = False) -> None:
         death = RootCause.death(rank, exitcode, after_return)
         self.outcome.finished.add(rank)
         self.outcome.failures.append(death)
         self.set_state(rank, RunState.FAILED, death.message)
 
-    # --- stopping --------------------------------------------------------------------------------
+    # --- restarting and stopping ---------------------------------------------------------------
+
+    def restart_if_due(self, payload: bytes) -> bool:
+        """Start every rank again when the attempt that ended asks for it: a monitor's request
+        with new set-up options (a rank ran out of memory while its peers were blocked in a
+        collective of the same step: only fresh processes, all at the smaller batch size, can go
+        on), or a failure, death or hang with restarts left (``max_restarts=``)."""
+        root = self.outcome.root
+        if root is None or not self.restarts_ranks:
+            return False
+        if root.cause is Cause.RESTART:
+            if root.progress:
+                self.publish(root.progress)
+            self.plan.options.update(root.options)
+            self.restart(payload, root.message)
+        elif self.attempts.due(root):
+            message, notice = restart_notice(self.attempts, root)
+            self.publish(notice)
+            self.plan.restart_count = self.attempts.restarts  # TORCHELASTIC_RESTART_COUNT
+            self.restart(payload, message)
+        else:
+            return False
+        return True
+
+    def restart(self, payload: bytes, detail: str) -> None:
+        """Stop every rank, start fresh processes on a new port and send them the task again
+        (their states say ``detail``); output and log files carry on."""
+        assert self.relay is not None
+        self.stop_ranks(STOP_GRACE_S)
+        self.relay.drain_output(timeout=1.0)
+        for rank in self.backend.ranks:
+            self.relay.remove(rank)
+        self.backend.close()
+        self.plan.master_port = choose_port(self.plan.master_addr, None)
+        self.outcome = Outcome()
+        self.monitors = self.new_monitors()  # fresh processes, fresh observations
+        self.backend = self.make_backend(self.plan.world_size, self.plan.start_method)
+        self.start_processes()
+        for rank in self.backend.ranks:
+            self.relay.add(rank)
+            self.set_state(rank.rank, RunState.STARTING, detail)
+        self.send_task(payload)
 
     def stop_on_interrupt(self) -> None:
         """The notebook was interrupted: SIGINT every rank, then escalate; within ~5 s in all."""
-        shutdown.stop_on_interrupt(self)
+        self.stopping(None)
+        finished = self.outcome.finished
+        ranks = self.backend.ranks
+        self.stopper().interrupt(lambda: all(r.rank in finished or r.ended for r in ranks))
+        for rank in range(self.plan.world_size):
+            if self.states.get(rank) not in (RunState.DONE, RunState.FAILED):
+                self.set_state(rank, RunState.STOPPED, "interrupted")
 
     def finish(self) -> None:
         """Stop every rank (asking nicely first when the run went well) and close everything."""
-        shutdown.finish(self)
+        root = self.outcome.root
+        ok = len(self.outcome.results) == self.plan.world_size
+        self.stopping(ok and root is None)
+        try:
+            if ok:
+                # The watch loop ends at the last Result; that rank's Finished may not be read.
+                for rank in sorted(self.outcome.results):
+                    self.set_state(rank, RunState.DONE)
+                self.hang_up(limit_s=5.0)
+            else:
+                reason = verdict.stop_reason(root, self.plan.timeout)
+                for rank in range(self.plan.world_size):
+                    if rank not in self.outcome.finished and self.states.get(rank) in (
+                        RunState.STARTING,
+                        RunState.RUNNING,
+                        RunState.STALLED,
+                    ):
+                        self.set_state(rank, RunState.STOPPED, reason)
+            known = root is not None and root.cause in KNOWN_CAUSES
+            self.stop_ranks(KNOWN_CAUSE_GRACE_S if known else STOP_GRACE_S, quiet=known)
+        except KeyboardInterrupt:
+            self.stop_ranks(grace=0.0)
+            raise
+        finally:
+            if self.relay is not None:
+                self.relay.drain_output(timeout=1.0)
+                self.publish(self.run_ended(ok))
+            self.close()
+            self.view.close()
 
-    def run_ended(self, ok: bool) -> Event:
-        """The run's last event: how it went, and each task rank's outcome in a few words."""
-        elapsed_s = time.time() - self.started_at
-        return verdict.run_ended(
-            self.outcome, self.task_ranks, ok, elapsed_s, self.attempts.restarts
-        )
+    def stop_ranks(self, grace: float, quiet: bool = False) -> None:
+        """Stop this machine's ranks (SIGTERM, SIGKILL after ``grace``; ``quiet``: being killed
+        is no news); the monitors hear that the ranks are gone."""
+        try:
+            self.stopper().stop(grace, quiet)
+        finally:
+            for monitor in self.monitors:
+                monitor.ranks_ended()
 
-    # --- reporting -------------------------------------------------------------------------------
+    def close(self, rejoin: bool | None = None) -> None:
+        """Close the ranks' pipes and the relay, and release the run directory (it may be pruned
+        from now on); ``rejoin``: let go of the other nodes too, which then join the next start
+        (True) or end (False)."""
+        for monitor in self.monitors:  # the ranks are gone, whichever way the run ended
+            monitor.ranks_ended()
+        if rejoin is not None:
+            with contextlib.suppress(Exception):
+                self.release_nodes(rejoin)
+        with contextlib.suppress(Exception):
+            if self.relay is not None:
+                self.relay.close()
+        if self.plan.run_lease is not None:
+            self.plan.run_lease.release()
+        self.backend.close()
 
-    def conclude(self) -> list[Any]:
-        """Return the results by rank, or raise the root cause."""
-        __tracebackhide__ = True
-        outcome = self.outcome
-        if outcome.root is None and self._all_returned():
-            return verdict.values(outcome, self.task_ranks)
-        root = outcome.root or RootCause(Cause.TIMEOUT, 0, "no rank reported")
-        raise self.exception_for(root)
+    def stopper(self) -> Stopper:
+        """What stops this machine's ranks, reading their output meanwhile."""
+        return Stopper(self.backend, self.now, self._read_output)
 
-    def exception_for(self, root: RootCause) -> BaseException:
-        """The exception to raise in the notebook for ``root``; the view shows its diagnosis."""
-        context = verdict.Context(
-            world_size=self.plan.world_size,
-            task_ranks=tuple(self.task_ranks),
-            debug=self.plan.debug,
-            run_dir=self.plan.run_dir,
-            tails=self.relay.tails if self.relay is not None else {},
-        )
-        exc, shown = verdict.exception_for(root, self.outcome, context)
-        if shown is not None:
-            self.publish(shown)
-        self.attempts.annotate(exc)  # why each earlier attempt ended
-        return exc
+    def _read_output(self, timeout: float) -> None:
+        if self.relay is not None:
+            self.relay.poll(timeout)
