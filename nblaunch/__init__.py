@@ -51,8 +51,7 @@ if TYPE_CHECKING:
     from nblaunch.notebook.handle import RunHandle, attach, runs
     from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
     from nblaunch.notebook.pool import Pool
-    from nblaunch.notebook.pool_detached import attach_pool
-    from nblaunch.notebook.pool_start import start_pool
+    from nblaunch.notebook.pool_start import attach_pool, start_pool
 
 __version__ = "0.1.0"
 
@@ -66,7 +65,7 @@ _FRONT_ENDS = {
     "RunHandle": "nblaunch.notebook.handle",
     "runs": "nblaunch.notebook.handle",
     "attach": "nblaunch.notebook.handle",
-    "attach_pool": "nblaunch.notebook.pool_detached",
+    "attach_pool": "nblaunch.notebook.pool_start",
 }
 
 

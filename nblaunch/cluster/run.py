@@ -317,6 +317,9 @@ class MultiNodeRun(Run):
             reason = "" if ok else _reason(self.outcome.root)
             self.head.control(CONTROL_OK if ok else CONTROL_STOP, reason)
 
+    def host_of(self, node: int) -> str:
+        return self.head.hosts.get(node, "?")
+
     def release_nodes(self, rejoin: bool) -> None:
         """Tell the other nodes to stop their ranks, and either exit or join this pool's next
         start (``rejoin``); wait (bounded) for them to say so, then close the rendezvous."""

@@ -1,6 +1,6 @@
 """A detached pool's host: the pool's ranks and their names, kept across kernels.
 
-The host runs the pool's own engine headless (:class:`~nblaunch.engine.pool.pool_engine.PoolRanks`:
+The host runs the pool's own engine headless (:class:`~nblaunch.engine.pool.pool_engine.PoolEngine`:
 nothing of the notebook package, nor of IPython, is imported) and takes requests from one
 notebook at a time on its socket (:mod:`nblaunch.engine.detached.wire`): ``("task", {...})`` runs a
 task and streams its events back, then ``("outcome", bytes)``; ``("interrupt", None)`` interrupts
@@ -38,19 +38,23 @@ from nblaunch.engine.background.background_run import RUNNING, STOPPED
 from nblaunch.engine.detached import host_files, pool_holder, wire
 from nblaunch.engine.detached import registry as detached
 from nblaunch.engine.plan.run_dirs import RunLease
-from nblaunch.engine.pool.pool_engine import PoolRanks
+from nblaunch.engine.pool.messages import (
+    CLOSE,
+    ENDED,
+    HELLO,
+    INFO,
+    INTERRUPT,
+    REFUSED,
+    RESTART,
+    STATUS,
+    TAKEN,
+    TASK,
+    WAIT,
+)
+from nblaunch.engine.pool.pool_engine import PoolEngine
 from nblaunch.events import Event
 from nblaunch.host.outcome import pickled, write_private
 
-INFO, STATUS, TASK, INTERRUPT, RESTART, CLOSE = (
-    "info",
-    "status",
-    "task",
-    "interrupt",
-    "restart",
-    "close",
-)
-HELLO, REFUSED, TAKEN, WAIT, ENDED = "hello", "refused", "taken", "wait", "ended"
 # How long a notebook that connected may take to say who it is.
 _HELLO_S = 10.0
 # How often the host looks at its idle limit (and at SIGTERM).
@@ -63,7 +67,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     # The pool leases its directory itself as it plans (one lease per directory per process).
     lease.release()
     options = dataclasses.replace(spec["options"], run_dir=run_dir)
-    pool = PoolRanks(spec["num_processes"], options, start_timeout=spec["start_timeout"])
+    pool = PoolEngine(spec["num_processes"], options, start_timeout=spec["start_timeout"])
     run_id = launch.get("run_id", run_dir.name)  # unique in the registry (detached.claim_id)
     entry = detached.Entry(
         run_id=run_id,
@@ -108,7 +112,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     return 0
 
 
-def pool_info(pool: PoolRanks) -> dict[str, Any]:
+def pool_info(pool: PoolEngine) -> dict[str, Any]:
     """What a notebook needs to show and check the pool without asking again."""
     return {
         "world_size": pool.world_size,
@@ -150,7 +154,7 @@ class TaskFeed:
 class PoolServer:
     """Serves ``pool`` on ``path`` until it is closed, stopped or idle too long."""
 
-    def __init__(self, path: str, pool: PoolRanks, idle_limit_s: float) -> None:
+    def __init__(self, path: str, pool: PoolEngine, idle_limit_s: float) -> None:
         self.pool = pool
         self.idle_limit_s = idle_limit_s
         self.client: socket.socket | None = None

@@ -24,38 +24,110 @@ tasks:
 
 Inside a rank, :func:`nblaunch.ranks.namespace.rank_namespace` is the dictionary cells run in;
 it lives as long as the rank process. The ranks' life is :mod:`nblaunch.engine.pool.pool_engine`,
-the end of a task :mod:`nblaunch.engine.pool.task_end`; this module adds what a person runs and
-sees.
+the end of a task :mod:`nblaunch.engine.pool.task_end`. :class:`Pool` holds a *transport*: that
+engine in this process, or a client of a detached pool's host
+(:class:`~nblaunch.notebook.pool_detached.HostPool`); it adds what a person runs and sees, and
+which pool is the kernel's (:func:`current_pool`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
-import time
-import weakref
 from typing import Any
 
-from nblaunch import pickling
-from nblaunch.engine.background.background_run import BackgroundTask
-from nblaunch.engine.background.event_hub import EventHub
 from nblaunch.engine.clock import REAL_CLOCK, Clock
 from nblaunch.engine.plan.launch_plan import serialize_payload
-from nblaunch.engine.pool.pool_engine import (  # noqa: F401  (importable from here too)
-    START_TIMEOUT_S,
-    PoolRanks,
-    current_pool,
-    refuse_if_running,
-)
+from nblaunch.engine.pool.pool_engine import START_TIMEOUT_S
 from nblaunch.engine.pool.status import PoolState
 from nblaunch.engine.processes.backend import BackendFactory, ProcessBackend
 from nblaunch.errors import LaunchError
 from nblaunch.events import EventSink
-from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, LaunchOptions, NodeOptions
+from nblaunch.notebook.pool_tasks import (
+    PushedNames,
+    describe_cell,
+    describe_function,
+    parse_ranks,
+    push_payload,
+    spread_by_rank,
+    task_in_background,
+)
+from nblaunch.notebook.pool_transport import PoolTransport, make_transport
+from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DISPLAY_MODES, LaunchOptions
 from nblaunch.ranks import namespace
 
+_MULTI_NODE = ("num_nodes", "rdzv_endpoint", "rdzv_timeout", "rdzv_id", "start_nodes", "hostfile")
 
-class Pool(PoolRanks):
+# --- the kernel's pool ---------------------------------------------------------------------------
+
+_current: Pool | None = None
+_atexit_registered = False
+
+
+def current_pool() -> Pool | None:
+    """The running pool of this kernel (also a broken one, so cells can say so), else ``None``."""
+    if _current is not None and _current.state is not PoolState.CLOSED:
+        return _current
+    return None
+
+
+def refuse_if_running(what: str) -> None:
+    """Raise ``LaunchError`` when a pool holds the ranks and devices.
+
+    Parameters
+    ----------
+    what
+        What was about to start (``"notebook_launcher"``), for the message.
+
+    Raises
+    ------
+    LaunchError
+        Naming the running pool and the two ways out.
+    """
+    pool = current_pool()
+    if pool is not None:
+        raise LaunchError(
+            f"{what} cannot start while a pool holds the devices: {pool.describe()}. "
+            "Run the work on the pool (pool.run(function, ...) or a %%distributed cell), "
+            "or stop the pool first (pool.close() or %dist stop)."
+        )
+
+
+def _make_current(pool: Pool) -> None:
+    global _current, _atexit_registered
+    if not _atexit_registered:
+        atexit.register(_close_current)
+        _atexit_registered = True
+    _current = pool
+
+
+def _let_go(pool: Pool) -> None:
+    global _current
+    if _current is pool:
+        _current = None
+
+
+def _close_current() -> None:
+    pool = current_pool()
+    if pool is not None and not pool.transport.detached:  # a detached one goes on
+        with contextlib.suppress(Exception):
+            pool.close()
+
+
+def _transports(name: str, doc: str, writable: bool = False) -> Any:
+    """A property of :class:`Pool` that is its transport's attribute ``name``."""
+
+    def read(pool: Pool) -> Any:
+        return getattr(pool.transport, name, None)
+
+    def write(pool: Pool, value: Any) -> None:
+        setattr(pool.transport, name, value)
+
+    return property(read, write if writable else None, doc=doc)
+
+
+class Pool:
     """Ranks that stay alive between tasks, with their namespaces and process group.
 
     Create it with :func:`start_pool` (or ``Pool(...).start()``, or ``with Pool(...) as pool``).
@@ -66,6 +138,10 @@ class Pool(PoolRanks):
     this one first; each other node runs ``python -m nblaunch join`` once (the command is
     printed), and stays in the pool across its restarts until the pool is closed; or the
     pool starts them itself with ``start_nodes`` (``"ssh"`` with ``hostfile``, ``"srun"``).
+
+    With ``detach=True`` the ranks live under a run host of their own and outlive the kernel
+    (:mod:`nblaunch.notebook.pool_detached`); ``idle_limit`` seconds without a cell end it
+    (default 24 h).
 
     ``backend`` and ``clock`` are the engine's (:class:`~nblaunch.engine.run.run.Run`): real
     processes and time unless a test scripts them.
@@ -93,6 +169,9 @@ class Pool(PoolRanks):
         hostfile: str | os.PathLike[str] | None = None,
         backend: BackendFactory = ProcessBackend,
         clock: Clock = REAL_CLOCK,
+        detach: bool = False,
+        idle_limit: float | None = None,
+        transport: PoolTransport | None = None,
     ) -> None:
         options = LaunchOptions(
             start_method=start_method,
@@ -104,14 +183,110 @@ class Pool(PoolRanks):
             device_type=device_type,
             run_dir=run_dir,
         )
-        nodes = None
-        if num_nodes is not None:
-            from nblaunch.cluster.pool_nodes import PoolNodes  # not at import: ~10 ms
+        self.pushed = PushedNames()  # notebook values every rank holds since %dist push
+        self.display = display
+        node_args = (num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
+        self.transport = transport or make_transport(
+            num_processes, options, node_args, start_timeout, backend, clock, detach, idle_limit
+        )
 
-            nodes = PoolNodes(
-                NodeOptions(num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> Pool:
+        """Start the ranks (a detached pool: its host, which starts them) and wait until every
+        one has joined the process group; the pool is then the kernel's.
+
+        Raises
+        ------
+        LaunchError
+            Bad arguments, or another pool is running.
+        Exception
+            A rank's own exception when it failed to start.
+        """
+        other = current_pool()
+        if other is not None and other is not self:
+            raise LaunchError(
+                f"a pool is already running: {other.describe()}. Use it, restart it "
+                "(%dist restart or pool.restart()), or stop it first (%dist stop or pool.close())."
             )
-        super().__init__(num_processes, options, nodes, display, start_timeout, backend, clock)
+        if self.display not in DISPLAY_MODES:
+            raise LaunchError(f"display={self.display!r} is not one of {', '.join(DISPLAY_MODES)}")
+        self.transport.start()
+        self.make_current()
+        return self
+
+    def make_current(self) -> None:
+        """Make this the kernel's pool: ``%%distributed`` cells run on it from now on, and a
+        pool of the kernel's own is closed when Python exits."""
+        _make_current(self)
+
+    def close(self) -> None:
+        """Stop every rank (asking nicely first) and release the pool; safe to call twice.
+
+        The other nodes of a multi-node pool stop their ranks and their ``join`` ends; a
+        detached pool's host ends too.
+        """
+        try:
+            self.transport.close()
+        finally:
+            _let_go(self)
+
+    def restart(self, num_nodes: int | None = None) -> Pool:
+        """Stop the ranks and start fresh ones with the same options (their state is gone).
+
+        The other nodes of a multi-node pool join the new start by themselves; ``num_nodes``
+        changes how many take part (after a node was lost, the nodes that remain).
+        """
+        self.transport.restart(num_nodes)
+        self.make_current()
+        return self
+
+    def detach(self) -> None:
+        """Let go of a detached pool, which goes on; ``attach_pool()`` gets it back."""
+        if not self.transport.detached:
+            raise LaunchError("detach(): this pool's ranks are this kernel's; close() it instead")
+        self.transport.detach()  # type: ignore[attr-defined]
+        _let_go(self)
+
+    def __enter__(self) -> Pool:
+        return self.start() if self.state is PoolState.CLOSED else self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a forgotten pool of this kernel's still stops its ranks
+        with contextlib.suppress(Exception):
+            if self.state is not PoolState.CLOSED and not self.transport.detached:
+                self.close()
+
+    # --- what the transport knows ----------------------------------------------------------------
+
+    state = _transports("state", "The pool's state (:class:`PoolState`).")
+    problem = _transports("problem", "Why the pool is broken.")
+    world_size = _transports("world_size", "Number of ranks (0 before the first start).")
+    pids = _transports("pids", "Process ids of the ranks, by rank (of the last start).")
+    engine = _transports("engine", "The ranks' Run (a pool of this kernel's own only).")
+    entry = _transports("entry", "A detached pool's registry entry (id, host pid, run directory).")
+    options = _transports("options", "The launch options.", writable=True)
+    num_processes = _transports("num_processes", "Ranks per machine.", writable=True)
+    nodes = _transports("nodes", "The pool's other machines (PoolNodes), or None.", writable=True)
+    start_s = _transports("start_s", "How long the last start took.")
+    started_at = _transports("started_at", "When the ranks were started (time.time()).")
+    restarts = _transports("restarts", "How many times the ranks were started again.")
+    tasks_run = _transports("tasks_run", "How many tasks ran.")
+    last_failed_rank = _transports("last_failed_rank", "Whose failure %dist debug opens.")
+
+    def describe(self) -> str:
+        """One line: how many ranks, on what, which processes, in what state."""
+        return self.transport.describe()
+
+    def status(self) -> list[dict[str, Any]]:
+        """One row per rank: pid, alive, state, memory (RSS; device memory on GPUs), names."""
+        return self.transport.status()
+
+    def status_text(self) -> str:
+        """What ``%dist status`` prints."""
+        return self.transport.status_text()
 
     # --- running tasks ---------------------------------------------------------------------------
 
@@ -129,30 +304,44 @@ class Pool(PoolRanks):
     ) -> Any:
         """Run a serialised ``(function, args, kwargs)`` as one task; return values by rank.
 
-        As :meth:`PoolRanks.run_payload <nblaunch.engine.pool.pool_engine.PoolRanks.run_payload>`,
-        shown in a view of this cell:
-
         Parameters
         ----------
+        payload, ranks, description
+            From :func:`~nblaunch.engine.plan.launch_plan.serialize_payload`; the ranks to run on
+            (default all; values come back in rank order); what runs, for ``%dist status``.
         display
             The view for this task (default: the pool's), unless ``view`` is given.
+        timeout, hang_timeout
+            Fail the task with ``LaunchTimeoutError`` after ``timeout`` seconds; the hang
+            watchdog's limit for this task (default: the pool's).
         background
             Return a :class:`~nblaunch.notebook.handle.RunHandle` at once and run the task in a
             thread; the pool is busy (a cell on it says so) until the task ends, and
             ``handle.stop()`` interrupts it as the interrupt button would, keeping the names.
+
+        Raises
+        ------
+        LaunchError
+            The pool is stopped, busy or broken, or ``ranks`` is not valid; nothing ran.
+        KeyboardInterrupt
+            The task was interrupted; the ranks are ready for the next one.
         """
         from nblaunch.notebook.views import choose_view  # not at import: ~13 ms
 
-        task_ranks = self.task_ranks(ranks)
+        if background and self.transport.detached:
+            raise LaunchError("--bg runs on a pool of this kernel's own; leave it out here")
+        task_ranks = self.transport.task_ranks(ranks)
         mode = display or self.display
         hang_timeout = self.options.hang_timeout if hang_timeout is None else hang_timeout
         if background:
-            return _task_in_background(
-                self, payload, task_ranks, mode, description, timeout, hang_timeout
+            return task_in_background(
+                self.transport, payload, task_ranks, mode, description, timeout, hang_timeout
             )
         if view is None:
             view = choose_view(mode, defer="always")
-        return self.run_task(payload, task_ranks, view, description, timeout, hang_timeout)
+        return self.transport.run_task(
+            payload, task_ranks, view, description, timeout, hang_timeout
+        )
 
     def run(self, function: Any, /, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``function(*args, **kwargs)`` on every rank; return the values by rank.
@@ -169,7 +358,7 @@ class Pool(PoolRanks):
             The task was interrupted; the ranks are ready for the next one.
         """
         payload = serialize_payload(function, args, kwargs)
-        return self.run_payload(payload, description=_describe_function(function))
+        return self.run_payload(payload, description=describe_function(function))
 
     def run_on(self, ranks: Any, function: Any, /, *args: Any, **kwargs: Any) -> list[Any]:
         """Like :meth:`run`, on some ranks only (``0``, ``[0, 2]``, ``"1-3"``).
@@ -179,7 +368,7 @@ class Pool(PoolRanks):
         """
         chosen = parse_ranks(ranks, self.world_size)
         payload = serialize_payload(function, args, kwargs)
-        return self.run_payload(payload, ranks=chosen, description=_describe_function(function))
+        return self.run_payload(payload, ranks=chosen, description=describe_function(function))
 
     def pull(self, name: str, rank: int = 0) -> Any:
         """A CPU copy of the value ``name`` has in ``rank``'s namespace (``%dist pull``).
@@ -205,29 +394,17 @@ class Pool(PoolRanks):
             The value cannot be pickled (nothing was sent).
         """
         chosen = None if ranks is None else parse_ranks(ranks, self.world_size)
-        self.pushed.pop(name, None)
-        try:
-            payload = pickling.dumps((namespace.push_value, (name, value), {}))
-        except Exception as exc:
-            raise LaunchError(
-                f"{name} (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
-                f"sent to the ranks: {type(exc).__name__}: {exc}. Make it on the ranks, in a "
-                "%%distributed cell, instead."
-            ) from None
+        self.pushed.forget(name)
+        payload = push_payload(name, value)
         self.run_payload(payload, ranks=chosen, description=f"push {name}", display="none")
         if chosen is None:  # every rank holds it now: cells need not send it again
-            with contextlib.suppress(TypeError):  # a value without weak references is small
-                self.pushed[name] = weakref.ref(value)
+            self.pushed.remember(name, value, self.started_at)
 
     def pinned_names(self, user_ns: dict[str, Any]) -> set[str]:
         """The notebook names whose value every rank already holds, pushed (``%dist push``) and
         not rebound since: a cell reading them does not send them again. Pushing is a copy:
         a change made to the notebook's object in place after the push stays in the notebook."""
-        return {
-            name
-            for name, pushed in self.pushed.items()
-            if name in user_ns and pushed() is user_ns[name]
-        }
+        return self.pushed.pinned(user_ns, self.started_at)
 
     def debug(self, rank: int | None = None) -> None:
         """Open the debugger at the failing frame of the last cell's failure (``%dist debug``).
@@ -237,6 +414,10 @@ class Pool(PoolRanks):
         LaunchError
             No cell failed since the pool (re)started, or not on ``rank``.
         """
+        if self.transport.detached:
+            raise LaunchError(
+                "%dist debug needs a pool of this kernel's own (the prompts wait here)"
+            )
         rank = self.last_failed_rank if rank is None else rank
         if rank is None:
             raise LaunchError("%dist debug: the last cell did not fail with an exception")
@@ -279,105 +460,19 @@ class Pool(PoolRanks):
         chosen = None if ranks is None else parse_ranks(ranks, self.world_size)
         if chosen is not None:
             task.main_rank = chosen[0]
-        self.last_failed_rank = None  # each cell's ranks forget the previous cell's failure
+        self.transport.last_failed_rank = None  # each cell forgets the previous cell's failure
         payload = serialize_payload(namespace.run_cell, (task,))
         values = self.run_payload(
             payload,
             ranks=chosen,
-            description=_describe_cell(getattr(task, "source", "")),
+            description=describe_cell(getattr(task, "source", "")),
             display=display,
             timeout=timeout,
             hang_timeout=hang_timeout,
             background=background,
         )
-        world_size = self.world_size
-
-        def by_rank(values: list[Any]) -> list[Any]:
-            spread: list[Any] = [None] * world_size
-            for rank, value in zip(chosen or range(world_size), values, strict=True):
-                spread[rank] = value
-            return spread
-
+        by_rank = spread_by_rank(chosen, self.world_size)
         if background:
             values.finish = by_rank
             return values
         return by_rank(values)
-
-
-def parse_ranks(spec: Any, world_size: int) -> list[int]:
-    """Turn ``0``, ``"0,2"``, ``"1-3"`` or ``[0, 2]`` into a sorted list of ranks.
-
-    Raises
-    ------
-    LaunchError
-        A rank outside ``0 .. world_size-1`` or text that is not a rank list.
-    """
-    if isinstance(spec, bool):
-        raise LaunchError(f"ranks must be rank numbers, got {spec!r}")
-    if isinstance(spec, int):
-        chosen = {spec}
-    elif isinstance(spec, str):
-        chosen = set()
-        for part in spec.replace(" ", "").split(","):
-            try:
-                if "-" in part.strip("-"):
-                    low, high = part.split("-", 1)
-                    chosen.update(range(int(low), int(high) + 1))
-                else:
-                    chosen.add(int(part))
-            except ValueError:
-                raise LaunchError(f"--ranks {spec!r}: write ranks like 0, 0,2 or 1-3") from None
-    else:
-        try:
-            chosen = {int(r) for r in spec}
-        except (TypeError, ValueError):
-            raise LaunchError(f"ranks must be rank numbers, got {spec!r}") from None
-    bad = sorted(r for r in chosen if not 0 <= r < world_size)
-    if not chosen or bad:
-        raise LaunchError(
-            f"ranks {spec!r}: the pool has ranks 0-{world_size - 1}"
-            + (f"; {', '.join(map(str, bad))} do not exist" if bad else "")
-        )
-    return sorted(chosen)
-
-
-def _describe_cell(source: str) -> str:
-    first = next((line.strip() for line in source.splitlines() if line.strip()), "")
-    return "cell: " + (first if len(first) <= 60 else first[:57] + "...")
-
-
-def _describe_function(function: Any) -> str:
-    return getattr(function, "__qualname__", None) or type(function).__name__
-
-
-def _task_in_background(
-    pool: Pool,
-    payload: bytes,
-    task_ranks: list[int],
-    display: str,
-    description: str,
-    timeout: float | None,
-    hang_timeout: float | None,
-) -> Any:
-    """A pool's task on a thread (``run_payload(background=True)``); returns its handle."""
-    from nblaunch.notebook.handle import RunHandle, remember
-
-    run = pool.engine
-    hub = EventHub()
-    pool.state = PoolState.BUSY  # from now: no other cell slips in before the thread starts
-    pool.current_task = description or "a task"
-    # The header now, while the cell runs: the view is built in it.
-    hub.handle(run.plan.run_info(time.time(), warnings=[], notes=[]))
-    task = BackgroundTask(
-        hub,
-        f"{run.plan.run_id}-task{pool.task_id + 1}",
-        run.plan.run_dir,
-        lambda: pool.run_task(payload, task_ranks, hub, description, timeout, hang_timeout),
-        run.request_stop,
-    )
-    handle = RunHandle(task)
-    if display != "none":
-        handle.view(display)
-    pool.background = task
-    task.start()
-    return remember(handle)

@@ -107,7 +107,7 @@ def dist_attach(line: str) -> None:
     newest); ``--take-over`` also when another kernel drives it (that kernel is told)."""
     from IPython.core.error import UsageError
 
-    from nblaunch.notebook.pool_detached import attach_pool
+    from nblaunch.notebook.pool_start import attach_pool
 
     words = line.split()
     take_over = "--take-over" in words

@@ -1,4 +1,4 @@
-"""``DetachedPool``: a pool whose ranks live under a run host, so they outlive the kernel.
+"""A detached pool seen from the notebook: :class:`HostPool`, the client of its run host.
 
 ``start_pool(n, detach=True)`` (``%dist start -n N --detach``) starts a run host
 (:mod:`nblaunch.host.pool`) that starts the pool and keeps it; this kernel is its client. After
@@ -7,6 +7,9 @@ with the names earlier cells defined. Cells, ``%dist push/pull/status/restart/st
 pool of the kernel's own: every task still runs through the pool's engine, in the host, and its
 events come back to this cell's view. The pool ends on ``%dist stop`` (``close()``), on
 ``nblaunch runs stop ID``, or after ``idle_limit`` seconds without a cell.
+
+:class:`HostPool` is what a :class:`~nblaunch.notebook.pool.Pool` made with ``detach=True``
+drives (its transport), as a kernel's own pool drives the engine in the kernel.
 
 One kernel drives a detached pool at a time: attaching while another kernel is attached is
 refused, naming it, unless ``take_over=True`` (``%dist attach --take-over``). The kernel that
@@ -30,70 +33,81 @@ from nblaunch import tracebacks
 from nblaunch.engine.detached import host_files, wire
 from nblaunch.engine.detached import registry as detached
 from nblaunch.engine.plan.run_dirs import new_run_dir
-from nblaunch.engine.pool import pool_engine as pool_ranks
+from nblaunch.engine.pool.messages import (
+    CLOSE,
+    ENDED,
+    HELLO,
+    INFO,
+    INTERRUPT,
+    REFUSED,
+    RESTART,
+    STATUS,
+    TAKEN,
+    TASK,
+    WAIT,
+)
+from nblaunch.engine.pool.pool_engine import START_TIMEOUT_S
 from nblaunch.engine.pool.status import PoolState
 from nblaunch.engine.pool.task_end import TaskGuard
 from nblaunch.errors import LaunchError
-from nblaunch.notebook.pool import Pool
-from nblaunch.options import DEFAULT_HANG_TIMEOUT_S
+from nblaunch.events import EventSink
+from nblaunch.options import LaunchOptions
 
 # A detached pool with no cell for this long ends, and its host with it.
 DEFAULT_IDLE_LIMIT_S = 24 * 3600.0
-_MULTI_NODE = ("num_nodes", "rdzv_endpoint", "rdzv_timeout", "rdzv_id", "start_nodes", "hostfile")
 
 
-class DetachedPool(Pool):
-    """A pool served by a run host of its own; see the module docstring.
+class HostPool:
+    """A detached pool's ranks, through the socket of their run host; see the module docstring.
 
     Parameters
     ----------
-    num_processes, **options
-        As for :class:`~nblaunch.notebook.pool.Pool` (one machine only).
+    num_processes, options, start_timeout
+        As for a pool of the kernel's own (one machine only).
     idle_limit
         Seconds without a cell after which the pool ends (default 24 h).
     """
 
     detached = True
+    engine = None  # the ranks' run is the host's
+    nodes = None  # one machine only
 
     def __init__(
         self,
-        num_processes: int | None = None,
-        *,
+        num_processes: int | None,
+        options: LaunchOptions,
+        start_timeout: float = START_TIMEOUT_S,
         idle_limit: float = DEFAULT_IDLE_LIMIT_S,
-        **options: Any,
     ) -> None:
-        given = [name for name in _MULTI_NODE if options.get(name) is not None]
-        if given or "backend" in options or "clock" in options:
-            raise LaunchError(
-                f"a detached pool runs on this machine, with real processes: leave out "
-                f"{', '.join(given) or 'backend/clock'}"
-            )
         if not (isinstance(idle_limit, (int, float)) and idle_limit > 0):
             raise LaunchError(f"idle_limit={idle_limit!r}: give seconds, a positive number")
-        options.setdefault("hang_timeout", DEFAULT_HANG_TIMEOUT_S)
-        super().__init__(num_processes, **options)
+        self.num_processes = num_processes
+        self.options = options
+        self.start_timeout = start_timeout
         self.idle_limit = float(idle_limit)
+        self.state = PoolState.CLOSED
+        self.problem = ""
+        self.start_s = 0.0
+        self.restarts = 0
+        self.tasks_run = 0
+        self.current_task = ""
+        self.last_failed_rank: int | None = None
         self.entry: detached.Entry | None = None
         self._sock: socket.socket | None = None
         self._info: dict[str, Any] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> DetachedPool:
+    def start(self) -> HostPool:
         """Start the run host, which starts the ranks; returns once they all joined.
 
         Raises
         ------
         LaunchError
-            Another pool is running, or the host did not start.
+            The host did not start.
         Exception
             A rank's own exception when it failed to start.
         """
-        other = pool_ranks.current_pool()
-        if other is not None:
-            raise LaunchError(
-                f"a pool is already running: {other.describe()}. Stop it first (%dist stop)."
-            )
         began = time.monotonic()
         run_dir, lease = new_run_dir(self.options.run_dir)
         launch = {
@@ -117,16 +131,11 @@ class DetachedPool(Pool):
         return self
 
     @classmethod
-    def attach(cls, run_id: str | None = None, take_over: bool = False) -> DetachedPool:
+    def attach(cls, run_id: str | None = None, take_over: bool = False) -> HostPool:
         """Connect to a detached pool of this machine (default: the newest still running);
         ``take_over``: also when another kernel drives it (that kernel is told)."""
-        current = pool_ranks.current_pool()
-        if current is not None:
-            if getattr(current, "detached", False) and current.state is not PoolState.CLOSED:
-                return current  # type: ignore[return-value]
-            raise LaunchError(f"a pool is already running here: {current.describe()}")
         entry = detached.find(run_id, kind="pool")
-        pool = cls()
+        pool = cls(None, LaunchOptions())
         pool._connect(entry, take_over)
         return pool
 
@@ -134,9 +143,9 @@ class DetachedPool(Pool):
         sock = None
         try:
             sock = wire.connect(entry.socket)
-            wire.send(sock, "hello", {"who": who_am_i(), "take_over": take_over})
+            wire.send(sock, HELLO, {"who": who_am_i(), "take_over": take_over})
             message = wire.receive(sock)
-            if message is not None and message[0] == "wait":
+            if message is not None and message[0] == WAIT:
                 print(
                     f"nblaunch pool: {message[1]['holder']} is running a cell on the pool; "
                     "taking it over when that cell ends",
@@ -147,38 +156,32 @@ class DetachedPool(Pool):
             if sock is not None:
                 sock.close()
             raise LaunchError(f"cannot reach the pool's host (pid {entry.pid}): {exc}") from None
-        if message is not None and message[0] == "refused":
+        if message is not None and message[0] == REFUSED:
             sock.close()
             raise LaunchError(
                 f"the detached pool {entry.run_id} is driven by {message[1]['holder']}; one "
                 f"kernel drives a pool at a time. %dist attach {entry.run_id} --take-over (or "
                 "attach_pool(take_over=True)) takes it over; that kernel is told"
             )
-        if message is None or message[0] != "info":
+        if message is None or message[0] != INFO:
             sock.close()
             raise LaunchError(f"the pool's host (pid {entry.pid}) did not answer")
         self.entry, self._sock = entry, sock
         self._take_info(message[1])
-        self.started_at = self._info["started_at"]
-        pool_ranks._current = self
 
     def _take_info(self, info: dict[str, Any]) -> None:
         self._info = info
+        self.started_at = info["started_at"]
         self.state = PoolState(info["state"])
         self.problem = info.get("problem", "")
 
-    def _close(self, rejoin: bool) -> None:
+    def close(self) -> None:
+        """End the pool and its host; safe to call twice."""
         if self.state is PoolState.CLOSED or self._sock is None:
             return
         self._check_connection()
-        if rejoin:  # restart(): fresh ranks, in the same host
-            info = self._ask("restart", "info")
-            self._take_info(info)
-            if info.get("error") is not None:
-                raise info["error"]
-            return
         with contextlib.suppress(OSError):
-            wire.send(self._sock, "close", None)
+            wire.send(self._sock, CLOSE, None)
         self._disconnect()
         assert self.entry is not None
         deadline = time.monotonic() + 15.0
@@ -186,10 +189,16 @@ class DetachedPool(Pool):
             time.sleep(0.05)
         self.state = PoolState.CLOSED
 
-    def restart(self, num_nodes: int | None = None) -> DetachedPool:
+    def restart(self, num_nodes: int | None = None) -> HostPool:
+        """Fresh ranks, in the same host."""
         if num_nodes is not None:
             raise LaunchError("num_nodes: a detached pool runs on this machine only")
-        self._close(rejoin=True)
+        if self.state is not PoolState.CLOSED and self._sock is not None:
+            self._check_connection()
+            info = self._ask(RESTART, INFO)
+            self._take_info(info)
+            if info.get("error") is not None:
+                raise info["error"]
         self.restarts += 1
         return self
 
@@ -202,8 +211,6 @@ class DetachedPool(Pool):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if pool_ranks._current is self:
-            pool_ranks._current = None
 
     def __del__(self) -> None:  # the pool goes on without this kernel
         try:  # not contextlib: at interpreter exit module globals may be None already
@@ -214,40 +221,39 @@ class DetachedPool(Pool):
 
     # --- tasks -----------------------------------------------------------------------------------
 
-    def run_payload(
+    def task_ranks(self, ranks: list[int] | None) -> list[int]:
+        """The ranks a task asked for, checked; raises ``LaunchError`` unless the pool can take
+        a task now."""
+        self._check_usable()
+        task_ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
+        if not task_ranks or any(not 0 <= r < self.world_size for r in task_ranks):
+            raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{self.world_size - 1}")
+        return task_ranks
+
+    def run_task(
         self,
         payload: bytes,
-        *,
-        ranks: list[int] | None = None,
-        description: str = "",
-        display: str | None = None,
-        timeout: float | None = None,
-        hang_timeout: float | None = None,
-        background: bool = False,
-        view: Any = None,
-    ) -> Any:
-        """Run one task on the host's pool; its events show in this cell's view. The
-        interrupt button interrupts the task there (the names stay)."""
-        from nblaunch.notebook.views import choose_view
-
-        if background:
-            raise LaunchError("--bg runs on a pool of this kernel's own; leave it out here")
-        self._check_usable()
-        if view is None:
-            view = choose_view(display or self.display, defer="always")
+        task_ranks: list[int],
+        view: EventSink,
+        description: str,
+        timeout: float | None,
+        hang_timeout: float | None,
+    ) -> list[Any]:
+        """Run one task on the host's pool; its events show in ``view``. The interrupt button
+        interrupts the task there (the names stay)."""
         request = {
             "payload": payload,
-            "ranks": ranks,
+            "ranks": task_ranks,
             "description": description,
             "timeout": timeout,
-            "hang_timeout": self.options.hang_timeout if hang_timeout is None else hang_timeout,
+            "hang_timeout": hang_timeout,
         }
         assert self._sock is not None
         guard = TaskGuard()  # an interrupt only counts: it is sent, never half-read
         previous = guard.install()
         try:
             try:
-                wire.send(self._sock, "task", request)
+                wire.send(self._sock, TASK, request)
             except OSError:
                 self._lost()
             outcome = self._follow(view, guard)
@@ -268,12 +274,12 @@ class DetachedPool(Pool):
                 if guard.interrupts > sent_interrupts:
                     sent_interrupts = guard.interrupts
                     with contextlib.suppress(OSError):  # a host gone is told below
-                        wire.send(self._sock, "interrupt", None)
+                        wire.send(self._sock, INTERRUPT, None)
                 if not select.select([self._sock], [], [], 0.05)[0]:
                     view.flush()
                     continue
                 message = self._receive()
-                if message is None or message[0] in ("taken", "ended"):
+                if message is None or message[0] in (TAKEN, ENDED):
                     self._lost(message, during_cell=True)
                 kind, body = message
                 if kind == wire.EVENTS:
@@ -296,7 +302,7 @@ class DetachedPool(Pool):
         while (message := self._receive()) is not None:
             if message[0] == answer:
                 return message[1]
-            if message[0] in ("taken", "ended"):
+            if message[0] in (TAKEN, ENDED):
                 break
         self._lost(message)
 
@@ -317,12 +323,12 @@ class DetachedPool(Pool):
     def _lost(self, message: tuple[str, Any] | None = None, during_cell: bool = False) -> Any:
         """This kernel no longer drives the pool: close it here and raise why, in words."""
         run_id = self.entry.run_id if self.entry else "?"
-        if message is not None and message[0] == "taken":
+        if message is not None and message[0] == TAKEN:
             why = (
                 f"{message[1]['by']} took over the detached pool {run_id} at "
                 f"{message[1]['at']}; this kernel no longer drives it"
             )
-        elif message is not None and message[0] == "ended":
+        elif message is not None and message[0] == ENDED:
             why = message[1]["why"]
         else:
             why = self._gone_reason()
@@ -361,9 +367,6 @@ class DetachedPool(Pool):
                 "or %dist stop."
             )
 
-    def debug(self, rank: int | None = None) -> None:
-        raise LaunchError("%dist debug needs a pool of this kernel's own (the prompts wait here)")
-
     # --- information -----------------------------------------------------------------------------
 
     @property
@@ -381,10 +384,10 @@ class DetachedPool(Pool):
         )
 
     def status(self) -> list[dict[str, Any]]:
-        return self._ask("status", "status")["rows"]
+        return self._ask(STATUS, STATUS)["rows"]
 
     def status_text(self) -> str:
-        return self.describe() + "\n" + self._ask("status", "status")["text"]
+        return self.describe() + "\n" + self._ask(STATUS, STATUS)["text"]
 
 
 def who_am_i() -> str:
@@ -397,17 +400,3 @@ def who_am_i() -> str:
         kernel_id = Path(connection_file).stem.removeprefix("kernel-")
         return f"kernel {kernel_id[:8]} (pid {os.getpid()})"
     return f"process {os.getpid()} ({Path(sys.argv[0]).name or 'python'})"
-
-
-def attach_pool(run_id: str | None = None, take_over: bool = False) -> DetachedPool:
-    """Connect this kernel to a detached pool (default: the newest one running); its ranks keep
-    the names earlier cells defined, and ``%%distributed`` cells run on it again. While another
-    kernel drives it, this is refused unless ``take_over=True`` (that kernel is then told).
-
-    Raises
-    ------
-    LaunchError
-        No detached pool is running (the message lists the detached runs), or this kernel
-        runs a pool of its own.
-    """
-    return DetachedPool.attach(run_id, take_over)

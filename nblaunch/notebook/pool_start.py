@@ -1,16 +1,15 @@
-"""``start_pool``: which pool a person gets, one of this kernel's or a detached one.
-
-Above both kinds (:mod:`nblaunch.notebook.pool`, :mod:`nblaunch.notebook.pool_detached`), so
-that neither imports the other's module to choose.
+"""``start_pool`` and ``attach_pool``: the pool a person gets, one of this kernel's or a detached
+one (:class:`~nblaunch.notebook.pool.Pool`, driving the engine here or a detached pool's host).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from nblaunch.engine.pool.status import PoolState
 from nblaunch.errors import LaunchError
-from nblaunch.notebook.pool import Pool
-from nblaunch.notebook.pool_detached import DetachedPool
+from nblaunch.notebook.pool import Pool, current_pool
+from nblaunch.notebook.pool_detached import HostPool
 
 
 def start_pool(num_processes: int | None = None, *, detach: bool = False, **options: Any) -> Pool:
@@ -37,8 +36,25 @@ def start_pool(num_processes: int | None = None, *, detach: bool = False, **opti
     Exception
         A rank's own exception when it failed to start (device, process group).
     """
-    if detach:
-        return DetachedPool(num_processes, **options).start()
-    if "idle_limit" in options:
-        raise LaunchError("idle_limit= is for detached pools: add detach=True")
-    return Pool(num_processes, **options).start()
+    return Pool(num_processes, detach=detach, **options).start()
+
+
+def attach_pool(run_id: str | None = None, take_over: bool = False) -> Pool:
+    """Connect this kernel to a detached pool (default: the newest one running); its ranks keep
+    the names earlier cells defined, and ``%%distributed`` cells run on it again. While another
+    kernel drives it, this is refused unless ``take_over=True`` (that kernel is then told).
+
+    Raises
+    ------
+    LaunchError
+        No detached pool is running (the message lists the detached runs), or this kernel
+        runs a pool of its own.
+    """
+    current = current_pool()
+    if current is not None:
+        if current.transport.detached and current.state is not PoolState.CLOSED:
+            return current
+        raise LaunchError(f"a pool is already running here: {current.describe()}")
+    pool = Pool(transport=HostPool.attach(run_id, take_over))
+    pool.make_current()
+    return pool

@@ -1,23 +1,23 @@
-"""A pool's ranks through their life: start, one task at a time, break, restart, close.
+"""A pool's engine: its ranks through their life, start, one task at a time, break, restart, close.
 
-:class:`PoolRanks` owns a pool's ranks and its engine (:class:`~nblaunch.engine.run.run.Run`): it
-starts them and waits until every one joined the process group, runs one task at a time
+:class:`PoolEngine` owns a pool's ranks and its :class:`~nblaunch.engine.run.run.Run`: it starts
+them and waits until every one joined the process group, runs one task at a time
 (:mod:`nblaunch.engine.pool.task_end` decides what happens after it), breaks when a rank is lost,
-starts fresh ranks when one could not be stopped, and stops them. A process has at most one
-running pool (:func:`current_pool`). The notebook's :class:`~nblaunch.notebook.pool.Pool` adds
-what a person runs and sees; a detached pool's host runs this class headless.
+starts fresh ranks when one could not be stopped, and stops them. It knows no notebook: the
+notebook's :class:`~nblaunch.notebook.pool.Pool` holds one (or a client of a detached pool's
+host) and adds what a person runs and sees, and which pool is the kernel's; a detached pool's
+host runs one headless.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import time
 from typing import Any, Protocol
 
 from nblaunch.engine.background.background_run import RUNNING, BackgroundTask
 from nblaunch.engine.clock import REAL_CLOCK, Clock
-from nblaunch.engine.plan.launch_plan import plan_launch
+from nblaunch.engine.plan.launch_plan import plan_launch, serialize_payload
 from nblaunch.engine.pool import status as pool_status
 from nblaunch.engine.pool.status import PoolState
 from nblaunch.engine.pool.task_end import INTERRUPT_WAIT_S, AfterTask, run_task
@@ -26,42 +26,11 @@ from nblaunch.engine.processes.supervisor import reap_let_go
 from nblaunch.engine.run.run import Run
 from nblaunch.errors import LaunchError, describe_exit
 from nblaunch.events import EventSink, NullView
-from nblaunch.options import DISPLAY_MODES, LaunchOptions
+from nblaunch.options import LaunchOptions
+from nblaunch.ranks import namespace
 
 # How long starting the ranks (imports, device, process group) may take.
 START_TIMEOUT_S = 120.0
-
-_current: PoolRanks | None = None
-_atexit_registered = False
-
-
-def current_pool() -> PoolRanks | None:
-    """The running pool of this kernel (also a broken one, so cells can say so), else ``None``."""
-    if _current is not None and _current.state is not PoolState.CLOSED:
-        return _current
-    return None
-
-
-def refuse_if_running(what: str) -> None:
-    """Raise ``LaunchError`` when a pool holds the ranks and devices.
-
-    Parameters
-    ----------
-    what
-        What was about to start (``"notebook_launcher"``), for the message.
-
-    Raises
-    ------
-    LaunchError
-        Naming the running pool and the two ways out.
-    """
-    pool = current_pool()
-    if pool is not None:
-        raise LaunchError(
-            f"{what} cannot start while a pool holds the devices: {pool.describe()}. "
-            "Run the work on the pool (pool.run(function, ...) or a %%distributed cell), "
-            "or stop the pool first (pool.close() or %dist stop)."
-        )
 
 
 class Nodes(Protocol):
@@ -81,19 +50,29 @@ def _pool_task() -> None:
     """Stands in for the function during planning: a pool's tasks come later."""
 
 
-class PoolRanks:
-    """The ranks of a pool and its engine, through their life (see the module docstring).
+class PoolEngine:
+    """The ranks of a pool and their run, through their life (see the module docstring).
 
-    The notebook's :class:`~nblaunch.notebook.pool.Pool` adds what a person runs on them; a
-    detached pool's host makes one directly, headless (``display="none"``).
+    Parameters
+    ----------
+    num_processes, options
+        As for a launch (:func:`~nblaunch.engine.plan.launch_plan.plan_launch`).
+    nodes
+        The pool's other machines, or None (this one only).
+    start_timeout
+        How long starting the ranks may take.
+    backend, clock
+        The run's (:class:`~nblaunch.engine.run.run.Run`): real processes and time unless a
+        test scripts them.
     """
+
+    detached = False  # its ranks are this process's children (a host's client says True)
 
     def __init__(
         self,
         num_processes: int | None,
         options: LaunchOptions,
         nodes: Nodes | None = None,
-        display: str = "none",
         start_timeout: float = START_TIMEOUT_S,
         backend: BackendFactory = ProcessBackend,
         clock: Clock = REAL_CLOCK,
@@ -103,7 +82,6 @@ class PoolRanks:
         self.nodes = nodes  # a pool on several machines (None: this one only)
         self.backend = backend
         self.clock = clock
-        self.display = display
         self.start_timeout = start_timeout
         self.state = PoolState.CLOSED
         self.problem = ""  # why the pool is broken
@@ -114,49 +92,33 @@ class PoolRanks:
         self.last_failed_rank: int | None = None  # whose failure %dist debug opens
         self.current_task = ""
         self.restarts = 0
-        self.engine: Run | None = None  # the engine, while the pool runs
-        # Notebook values every rank holds since %dist push (name -> the pushed object).
-        self.pushed: dict[str, Any] = {}
+        self.engine: Run | None = None  # the ranks' run, while the pool runs
         self._task_id = 0
         self._pids: list[int | None] = []
         self.background: BackgroundTask | None = None  # a task going on in a thread (--bg)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> PoolRanks:
+    def start(self) -> PoolEngine:
         """Start the ranks and wait until every one has joined the process group.
 
         Raises
         ------
         LaunchError
-            Bad arguments, or another pool is running.
+            Bad arguments, or the pool runs already.
         Exception
             A rank's own exception when it failed to start.
         """
-        global _current, _atexit_registered
-        other = current_pool()
-        if other is not None and other is not self:
-            raise LaunchError(
-                f"a pool is already running: {other.describe()}. Use it, restart it "
-                "(%dist restart or pool.restart()), or stop it first (%dist stop or pool.close())."
-            )
         if self.state is not PoolState.CLOSED:
             raise LaunchError(f"this pool is already {self.state.value}; close() it first")
-        if self.display not in DISPLAY_MODES:
-            raise LaunchError(f"display={self.display!r} is not one of {', '.join(DISPLAY_MODES)}")
         if self.nodes is None:
             plan = plan_launch(_pool_task, self.num_processes, self.options)
         else:
             plan = self.nodes.plan(_pool_task, self.num_processes, self.options)
         self.state = PoolState.STARTING
         self.problem = ""
-        _current = self
-        if not _atexit_registered:
-            atexit.register(_close_current)
-            _atexit_registered = True
         began = time.monotonic()
         self.engine = None
-        self.pushed.clear()  # fresh ranks hold nothing
         try:
             run = self.engine = self._new_run(plan)
             run.start()
@@ -164,7 +126,6 @@ class PoolRanks:
         except BaseException:
             self._shut_down(grace=1.0)
             self.state = PoolState.CLOSED
-            _current = None
             raise
         self.start_s = time.monotonic() - began
         self._pids = [rank.pid for rank in run.backend.ranks]
@@ -179,7 +140,7 @@ class PoolRanks:
         """
         self._close(rejoin=False)
 
-    def restart(self, num_nodes: int | None = None) -> PoolRanks:
+    def restart(self, num_nodes: int | None = None) -> PoolEngine:
         """Stop the ranks and start fresh ones with the same options (their state is gone).
 
         The other nodes of a multi-node pool join the new start by themselves; ``num_nodes``
@@ -195,7 +156,6 @@ class PoolRanks:
         return self.start()
 
     def _close(self, rejoin: bool) -> None:
-        global _current
         if self.state is PoolState.CLOSED:
             return
         if self.background is not None and self.background.state == RUNNING:
@@ -209,10 +169,8 @@ class PoolRanks:
             self.nodes.end_joins()
         reap_let_go(wait=True)  # closed means gone: their memory is free again
         self.state = PoolState.CLOSED
-        if _current is self:
-            _current = None
 
-    def __enter__(self) -> PoolRanks:
+    def __enter__(self) -> PoolEngine:
         if self.state is PoolState.CLOSED:
             self.start()
         return self
@@ -276,6 +234,12 @@ class PoolRanks:
         if not task_ranks or any(not 0 <= r < self.world_size for r in task_ranks):
             raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{self.world_size - 1}")
         return task_ranks
+
+    def reserve(self, description: str) -> None:
+        """Hold the pool for a task that starts on a thread soon (``--bg``): no other cell slips
+        in before it; :meth:`run_task` on that thread then runs it."""
+        self.state = PoolState.BUSY
+        self.current_task = description or "a task"
 
     def run_task(
         self,
@@ -349,11 +313,23 @@ class PoolRanks:
         When the pool is idle, this asks the ranks (a task of a few milliseconds) for their
         device memory and the names earlier cells defined.
         """
-        return pool_status.status(self)
+        rank_info: dict[int, dict[str, Any]] = {}
+        if self.state is PoolState.IDLE:
+            with contextlib.suppress(Exception):
+                payload = serialize_payload(namespace.rank_info)
+                ranks = self.task_ranks(None)
+                hang_timeout = self.options.hang_timeout
+                values = self.run_task(
+                    payload, ranks, NullView(), "%dist status", None, hang_timeout
+                )
+                rank_info = dict(enumerate(values))
+                self.tasks_run -= 1  # asking for the status is not the person's work
+        return pool_status.status(self, rank_info)
 
     def status_text(self) -> str:
         """What ``%dist status`` prints."""
-        return pool_status.status_text(self)
+        rows = self.status() if self.state is not PoolState.CLOSED else []
+        return pool_status.status_text(self, rows)
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -392,7 +368,7 @@ class PoolRanks:
         """``node 1 (host)``: the node of ``rank`` in a multi-node pool."""
         assert self.engine is not None
         node = rank // self.engine.plan.nproc_per_node
-        return f"node {node} ({self.engine.head.hosts.get(node, '?')})"
+        return f"node {node} ({self.engine.host_of(node)})"
 
     def _break(self, problem: str) -> None:
         """A rank died: stop the others (their process group is broken) and remember why."""
@@ -402,7 +378,6 @@ class PoolRanks:
 
     def _replace_ranks(self) -> None:
         """Restart ranks that could not be stopped politely (the caller tells the person)."""
-        global _current
         self._shut_down(grace=1.0)
         self.state = PoolState.CLOSED
         self.restarts += 1
@@ -411,7 +386,6 @@ class PoolRanks:
         except Exception as exc:  # the task's error carries the note; the pool says why
             self.state = PoolState.BROKEN
             self.problem = f"restarting the ranks failed: {type(exc).__name__}: {exc}"
-            _current = self
 
     def _shut_down(self, grace: float, close_pipes: bool = True, rejoin: bool = True) -> None:
         run = self.engine
@@ -422,10 +396,3 @@ class PoolRanks:
         if close_pipes:  # a broken pool keeps its other nodes until it is restarted or closed
             with contextlib.suppress(Exception):
                 run.close(rejoin=rejoin)
-
-
-def _close_current() -> None:
-    pool = current_pool()
-    if pool is not None and not getattr(pool, "detached", False):  # a detached one goes on
-        with contextlib.suppress(Exception):
-            pool.close()

@@ -1,7 +1,8 @@
 """What ``%dist status`` and a busy pool's messages say about a pool.
 
-Functions of a :class:`~nblaunch.engine.pool.pool_engine.PoolRanks`; the pool's methods of the same
-names call them.
+The pool's methods of the same names call these with what they need to know
+(:class:`PoolFacts`, a protocol of this module's own: the pool engine imports this module, never
+the other way round).
 """
 
 from __future__ import annotations
@@ -9,14 +10,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from nblaunch.engine.plan.launch_plan import serialize_payload
-from nblaunch.events import NullView
-from nblaunch.ranks import namespace
-
-if TYPE_CHECKING:
-    from nblaunch.engine.pool.pool_engine import PoolRanks
+from nblaunch.engine.run.run import Run
 
 
 class PoolState(str, enum.Enum):
@@ -29,7 +25,29 @@ class PoolState(str, enum.Enum):
     CLOSED = "closed"
 
 
-def describe(pool: PoolRanks) -> str:
+class PoolFacts(Protocol):
+    """What the status of a pool is made from."""
+
+    state: PoolState
+    problem: str
+    engine: Run | None
+    nodes: Any
+    current_task: str
+    started_at: float
+    tasks_run: int
+    last_task: str
+    restarts: int
+
+    @property
+    def pids(self) -> list[int | None]: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def describe(self) -> str: ...
+
+
+def describe(pool: PoolFacts) -> str:
     """One line: how many ranks, on what, which processes, in what state."""
     if pool.engine is None:
         return f"a pool ({pool.state.value})"
@@ -50,27 +68,14 @@ def describe(pool: PoolRanks) -> str:
     return text
 
 
-def status(pool: PoolRanks) -> list[dict[str, Any]]:
-    """One row per rank: pid, alive, state, memory (RSS; device memory on GPUs), names.
-
-    When the pool is idle, this asks the ranks (a task of a few milliseconds) for their
-    device memory and the names earlier cells defined.
-    """
+def status(pool: PoolFacts, rank_info: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per rank: pid, alive, state, memory (RSS; device memory on GPUs), and what the
+    ranks answered (``rank_info``: device memory, the names earlier cells defined)."""
     import psutil
 
     rows: list[dict[str, Any]] = []
     if pool.engine is None or pool.state is PoolState.CLOSED:
         return rows
-    rank_info: dict[int, dict[str, Any]] = {}
-    if pool.state is PoolState.IDLE:
-        with contextlib.suppress(Exception):
-            values = pool.run_payload(
-                serialize_payload(namespace.rank_info),
-                description="%dist status",
-                view=NullView(),
-            )
-            rank_info = dict(enumerate(values))
-            pool.tasks_run -= 1  # asking for the status is not the person's work
     local = {process.rank: process.pid for process in pool.engine.backend.ranks}
     for rank in range(pool.world_size):
         info = rank_info.get(rank, {})
@@ -84,7 +89,7 @@ def status(pool: PoolRanks) -> list[dict[str, Any]]:
             row["alive"] = "pid" in info
         if pool.nodes is not None:
             row["node"] = node = rank // pool.engine.plan.nproc_per_node
-            row["host"] = pool.engine.head.hosts.get(node, "?")
+            row["host"] = pool.engine.host_of(node)
         if not row["alive"]:
             row["state"] = "dead"
         else:
@@ -94,8 +99,8 @@ def status(pool: PoolRanks) -> list[dict[str, Any]]:
     return rows
 
 
-def status_text(pool: PoolRanks) -> str:
-    """What ``%dist status`` prints."""
+def status_text(pool: PoolFacts, rows: list[dict[str, Any]]) -> str:
+    """What ``%dist status`` prints, with the rows of :func:`status`."""
     if pool.state is PoolState.CLOSED:
         return "nblaunch pool: stopped; %dist start -n N starts one"
     lines = [f"nblaunch pool: {pool.describe()}, up {_seconds(time.time() - pool.started_at)}"]
@@ -103,7 +108,7 @@ def status_text(pool: PoolRanks) -> str:
         f"  cells run: {pool.tasks_run}; last: {pool.last_task or 'none'}; "
         f"restarts: {pool.restarts}; logs in {pool.engine.plan.run_dir}"
     )
-    for row in pool.status():
+    for row in rows:
         memory = f"{row['rss_mb']:.0f} MB RSS" if "rss_mb" in row else "memory unknown"
         if row.get("device_mb") is not None:
             memory += f", {row['device_mb']:.0f} MB allocated on {row['device']}"

@@ -136,6 +136,10 @@ class RunBase:
         """The ranks are about to be stopped: ``ok`` (every rank returned), not, or None (an
         interrupt)."""
 
+    def host_of(self, node: int) -> str:
+        """The host name of ``node`` (``"?"`` until it said)."""
+        return "?"
+
     def release_nodes(self, rejoin: bool) -> None:
         """Let go of other nodes (a multi-node pool's); a single-node run has none."""
 
