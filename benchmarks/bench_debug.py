@@ -138,7 +138,7 @@ def alternating_blocks(
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nblaunch.ranks import fingerprints, recorder
+    from nblaunch.ranks.checks import fingerprints, recorder
 
     outbox = fingerprints.current()
     assert outbox is not None, "the checks are off in this launch"

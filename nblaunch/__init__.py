@@ -22,10 +22,10 @@ from nblaunch.errors import (
     RendezvousTimeoutError,
     RunStoppedError,
 )
-from nblaunch.ranks.batch_size import find_executable_batch_size
 from nblaunch.ranks.debugger import breakpoint
 from nblaunch.ranks.logging import get_logger
-from nblaunch.ranks.memory import free_memory, per_device_batch_size, set_seed
+from nblaunch.ranks.memory.batch_size import find_executable_batch_size
+from nblaunch.ranks.memory.memory import free_memory, per_device_batch_size, set_seed
 from nblaunch.ranks.metrics import log_metrics
 from nblaunch.ranks.ops import (
     all_reduce,

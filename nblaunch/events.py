@@ -93,7 +93,8 @@ class Heartbeat(TypedDict):
     in_flight: InFlightInfo | None  # the collective the rank waits in, when it waits in one
     groups: dict[str, int]  # process group name -> number of its last collective issued
     # The point-to-point request the task waits on, the operations posted as
-    # [direction, group, peer, tag, count], and each group's global ranks (nblaunch.ranks.waits).
+    # [direction, group, peer, tag, count], and each group's global ranks
+    # (nblaunch.ranks.checks.waits).
     p2p_wait: NotRequired[PointToPoint | None]
     p2p_posted: NotRequired[list[list[Any]]]
     members: NotRequired[dict[str, list[int]]]
@@ -123,7 +124,7 @@ class Collectives(TypedDict):
     """Collectives ranks issued (the out-of-band checks), as a joined node passes them on.
 
     In a rank each call goes to its launcher down a pipe of its own
-    (``nblaunch.ranks.fingerprints``), 13 bytes per call, not through the event pipe.
+    (``nblaunch.ranks.checks.fingerprints``), 13 bytes per call, not through the event pipe.
     """
 
     kind: Literal["collectives"]
@@ -132,7 +133,7 @@ class Collectives(TypedDict):
 
 class CollectiveCall(TypedDict):
     """One collective call: who issued it, its process group, its number there, and its facts
-    (operation, call site, shapes, dtypes, arguments: ``nblaunch.ranks.debug_report.FACTS``,
+    (operation, call site, shapes, dtypes, arguments: ``nblaunch.ranks.checks.debug_report.FACTS``,
     what the launcher compares; debug mode's record of them is taken too)."""
 
     rank: int

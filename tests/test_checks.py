@@ -22,9 +22,9 @@ from nblaunch.engine.monitors.collective_checks import CallReader, CollectiveChe
 from nblaunch.engine.plan.launch_plan import plan_launch
 from nblaunch.engine.verdict import Cause
 from nblaunch.options import LaunchOptions
-from nblaunch.ranks import fingerprints
-from nblaunch.ranks.debug_report import digest, mismatch_message, record_of, same_facts
-from nblaunch.ranks.fingerprints import CALL, CALL_TAG, Outbox, Route, definition
+from nblaunch.ranks.checks import fingerprints
+from nblaunch.ranks.checks.debug_report import digest, mismatch_message, record_of, same_facts
+from nblaunch.ranks.checks.fingerprints import CALL, CALL_TAG, Outbox, Route, definition
 from tests.conftest import rank_children, wait_until
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -539,7 +539,7 @@ def test_the_wrappers_bind_torchs_arguments_as_inspect_does():
     import torch
     import torch.distributed as dist
 
-    from nblaunch.ranks.debug_patches import PATCHED, _binder
+    from nblaunch.ranks.checks.debug_patches import PATCHED, _binder
 
     t = torch.ones(2)
     for name in PATCHED:

@@ -359,7 +359,8 @@ def posts_then_the_group_made_again():
     import torch
     import torch.distributed as dist
 
-    from nblaunch.ranks import process_groups, stacks
+    from nblaunch.ranks import stacks
+    from nblaunch.ranks.checks import process_groups
 
     def collectives():
         return process_groups.group_status()["0"][0], stacks.collective_sequence()

@@ -39,7 +39,7 @@ def _on_the_accelerator():
     import torch
     import torch.distributed as dist
 
-    from nblaunch.ranks.memory import is_out_of_memory
+    from nblaunch.ranks.memory.memory import is_out_of_memory
 
     total = torch.tensor([nblaunch.rank() + 1.0])
     dist.all_reduce(total)
@@ -236,7 +236,7 @@ def test_a_v2_v3_chip_runs_the_function_on_each_core_in_a_thread(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     import torch_xla
 
-    from nblaunch.ranks import xla
+    from nblaunch.ranks.device import xla
 
     try:
         values = xla.call_on_each_core(lambda x: x * 2, (21,), {})

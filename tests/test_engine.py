@@ -39,7 +39,7 @@ from nblaunch.notebook.views import RecordingView
 from nblaunch.notebook.views.model import RunModel
 from nblaunch.notebook.views.summary import summary_bundle
 from nblaunch.options import LaunchOptions
-from nblaunch.ranks.batch_size import RESTART_OPTION
+from nblaunch.ranks.memory.batch_size import RESTART_OPTION
 
 
 def train() -> None:

@@ -23,8 +23,17 @@ from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
 from nblaunch.events import RunState
 from nblaunch.notebook.views import RecordingView
 from nblaunch.options import LaunchOptions
-from nblaunch.ranks.batch_size import RESTART_OPTION, find_executable_batch_size, render_attempts
-from nblaunch.ranks.memory import free_memory, is_out_of_memory, per_device_batch_size, set_seed
+from nblaunch.ranks.memory.batch_size import (
+    RESTART_OPTION,
+    find_executable_batch_size,
+    render_attempts,
+)
+from nblaunch.ranks.memory.memory import (
+    free_memory,
+    is_out_of_memory,
+    per_device_batch_size,
+    set_seed,
+)
 
 REAL_OOM_BYTES = 10**13  # 10 TB: more than any test machine's RAM and swap
 

@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 import nblaunch
 from nblaunch import DistributedOperationException, notebook_launcher
-from nblaunch.ranks.debug_mode import call_site
-from nblaunch.ranks.debug_patches import verified_collectives
-from nblaunch.ranks.debug_report import mismatch_message
+from nblaunch.ranks.checks.debug_mode import call_site
+from nblaunch.ranks.checks.debug_patches import verified_collectives
+from nblaunch.ranks.checks.debug_report import mismatch_message
 
 SHAPE_TABLE = """\
 Cannot apply desired operation due to shape mismatches. All shapes across devices must be valid.

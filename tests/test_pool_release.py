@@ -16,7 +16,7 @@ from nblaunch import PoolRestartedError
 from nblaunch.engine.monitors.collective_checks import owed_calls
 from nblaunch.notebook.pool import PoolState
 from nblaunch.notebook.pool_start import start_pool
-from nblaunch.ranks.debug_report import DDP_ALL_REDUCE
+from nblaunch.ranks.checks.debug_report import DDP_ALL_REDUCE
 from nblaunch.ranks.namespace import rank_namespace
 from nblaunch.ranks.release import unsupported
 
@@ -135,7 +135,7 @@ def make_a_ddp_model():
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nblaunch.ranks.debug_patches import first_step
+    from nblaunch.ranks.checks.debug_patches import first_step
 
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))

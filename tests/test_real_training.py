@@ -386,6 +386,6 @@ def test_in_a_kernel_a_rank_that_left_a_ddp_loop_fails_the_cell_with_its_line(ke
 
 def test_the_hang_report_knows_debug_modes_buffer():
     from nblaunch.engine.monitors import beats
-    from nblaunch.ranks import debug_mode
+    from nblaunch.ranks.checks import debug_mode
 
     assert beats.RECORD_BYTES == debug_mode.RECORD_BYTES

@@ -16,7 +16,8 @@ import pytest
 from nblaunch import DistributedHangError, DistributedOperationException, notebook_launcher
 from nblaunch.engine.plan.launch_plan import plan_launch
 from nblaunch.options import LaunchOptions
-from nblaunch.ranks import heartbeat, process_groups
+from nblaunch.ranks import heartbeat
+from nblaunch.ranks.checks import process_groups
 from tests.conftest import rank_children, wait_until
 
 
@@ -38,7 +39,7 @@ def ddp_and_its_hook():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nblaunch.ranks import recorder
+    from nblaunch.ranks.checks import recorder
 
     plain = DDP(torch.nn.Linear(4, 3))
     hooked = DDP(torch.nn.Linear(4, 3))
@@ -60,7 +61,7 @@ def test_ddp_keeps_its_own_all_reduce_and_the_users_hook_and_is_still_checked():
 
 
 def checks_and_reader():
-    from nblaunch.ranks import fingerprints, recorder
+    from nblaunch.ranks.checks import fingerprints, recorder
 
     return fingerprints.current() is not None, recorder.current() is not None
 
@@ -142,12 +143,12 @@ def test_a_collective_torch_issued_is_placed_on_the_users_line_not_the_processs_
     # A rank forked by the forkserver has `python -c` as its outermost frame: a look at the task's
     # thread after it left the task once named DDP's all-reduce "<string>:1". Such a look is
     # skipped, and the entries a failed task made last are placed on its error's line.
-    from nblaunch.ranks import recorder
-    from nblaunch.ranks.debug_mode import UNKNOWN
+    from nblaunch.ranks.checks import recorder
+    from nblaunch.ranks.checks.debug_mode import UNKNOWN
 
     root = subprocess.run(
         [sys.executable, "-c",
-         "import sys; from nblaunch.ranks.debug_mode import site_of; "
+         "import sys; from nblaunch.ranks.checks.debug_mode import site_of; "
          "print(site_of(sys._getframe()))"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip

@@ -1,8 +1,8 @@
 """Spare ranks (``nblaunch.engine.processes.spares``): a notebook's next launch takes processes
 forked ahead.
 
-In a real kernel, as a notebook runs the same cell again and again. Spares for an accelerator
-make their device's context ahead (``nblaunch.ranks.warm_up``): tested on the test accelerator
+In a real kernel, as a notebook runs the same cell again and again. Spares for an accelerator make
+their device's context ahead (``nblaunch.ranks.device.warm_up``): tested on the test accelerator
 ``fakeacc`` (tests/devices/fake_accelerator.py), whose device module records each pin, by which
 thread, on which physical device (``FAKEACC_VISIBLE_DEVICES`` plays ``CUDA_VISIBLE_DEVICES``,
 latched at the first pin as CUDA latches it at its start) and when, in a log file.
@@ -20,7 +20,7 @@ import pytest
 from conftest import wait_until
 
 from nblaunch.engine.processes import spares
-from nblaunch.ranks import warm_up
+from nblaunch.ranks.device import warm_up
 
 DEVICES = Path(__file__).resolve().parent / "devices"
 
@@ -44,7 +44,7 @@ def test_the_next_launch_runs_on_spares_brought_up_to_the_notebooks_state(kernel
     kernel.run("import os\nos.environ['FOO'] = 'set later'")
     cell = kernel.run(
         "%%distributed -n 2 -o seen\nimport os, threading, torch.distributed as dist\n"
-        "from nblaunch.ranks import warm_up\n"
+        "from nblaunch.ranks.device import warm_up\n"
         "seen = [None, None]\n"
         "threads = [t.name for t in threading.enumerate()]\n"
         "dist.all_gather_object(seen, (os.getpid(), os.environ.get('FOO'), warm_up.report(),"
@@ -56,7 +56,7 @@ def test_the_next_launch_runs_on_spares_brought_up_to_the_notebooks_state(kernel
     assert [foo for _, foo, *_ in seen] == ["set later", "set later"]
     # CPU spares warm nothing up: no plan, no thread.
     assert [rest for _, _, *rest in seen] == [[None, False], [None, False]]
-    assert kernel.run("print(nblaunch.engine.processes.spares.warmed())")["out"].strip() == "None"
+    assert kernel.run("print(spares.warmed())")["out"].strip() == "None"
 
     # A launch of another size lets the waiting spares go; they exit.
     waiting = _pids(kernel)

@@ -16,7 +16,7 @@ from nblaunch.engine.monitors.hang import HangMonitor
 from nblaunch.engine.monitors.source_lines import cell_names
 from nblaunch.engine.monitors.stragglers import find_straggler
 from nblaunch.events import RunState
-from nblaunch.ranks import process_groups
+from nblaunch.ranks.checks import process_groups
 from nblaunch.ranks.heartbeat import HeartbeatThread
 from nblaunch.ranks.stacks import read_position
 

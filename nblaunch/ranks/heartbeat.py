@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nblaunch.events import Heartbeat, InFlightInfo
-from nblaunch.ranks import process_groups, waits
+from nblaunch.ranks.checks import process_groups, waits
 from nblaunch.ranks.stacks import (
     VERIFY_FRAME,
     Position,

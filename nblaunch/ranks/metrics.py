@@ -62,7 +62,7 @@ def log_metrics(values: Mapping[str, float], step: int | None = None) -> None:
     if not found:
         return
     if context.device.type not in ("cpu", "xla"):  # a leaking or heavier rank shows at a glance
-        from nblaunch.ranks import devices
+        from nblaunch.ranks.device import devices
 
         peak = devices.peak_memory_bytes(context.device)
         if peak is not None:

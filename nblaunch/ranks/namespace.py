@@ -44,7 +44,7 @@ def rank_info() -> dict[str, Any]:
         "rss_mb": psutil.Process().memory_info().rss / 2**20,
     }
     if device.type not in ("cpu", "xla"):
-        from nblaunch.ranks import devices
+        from nblaunch.ranks.device import devices
 
         allocated = devices.allocated_bytes(device)
         info["device_mb"] = None if allocated is None else allocated / 2**20

@@ -3,7 +3,7 @@
 The collectives here (:func:`gather`, :func:`broadcast`, :func:`all_reduce`, ...) work on single
 tensors or nested lists/tuples/dicts of tensors, inside an nblaunch rank, under torchrun, and in a
 plain single process (where they return their input). In debug mode each one is verified across
-ranks before it runs (:mod:`nblaunch.ranks.debug_mode`), and a mismatch raises the same
+ranks before it runs (:mod:`nblaunch.ranks.checks.debug_mode`), and a mismatch raises the same
 :class:`~nblaunch.errors.DistributedOperationException` on every rank instead of hanging.
 
 The synchronised early stop (:func:`~nblaunch.ranks.trigger.set_trigger` /
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nblaunch.ranks import this_rank
-from nblaunch.ranks.debug_mode import (
+from nblaunch.ranks.checks.debug_mode import (
     all_gather_flat,
     checks_enabled,
     in_group,
@@ -42,7 +42,7 @@ def _tensors(data: Any) -> list[Any]:
 def _map(function: Callable[[Any], Any], data: Any, operation: str) -> Any:
     """``function`` on every tensor of ``data`` (one collective each), never stopped half-way
     by an interrupt (see :func:`nblaunch.ranks.this_rank.interrupts_deferred`). The checked
-    call's claim on the flight recorder's entries ends with the region (ranks/recorder.py):
+    call's claim on the flight recorder's entries ends with the region (ranks/checks/recorder.py):
     DDP's next all-reduce is not this call's."""
     with verified_region(), this_rank.interrupts_deferred():
         return _map_each(function, data, operation)

@@ -3,8 +3,8 @@
 When a pool's task ends on one rank (``q`` in its debugger, an exception, an interrupt) while a
 peer waits in a collective the first rank never issued, no signal frees the peer: it waits in C
 until the collective completes. The launcher knows from the out-of-band checks
-(:mod:`nblaunch.ranks.fingerprints`) exactly which calls each rank issued on each group, so it
-sends the rank whose task ended a ``release`` message: the calls it owes, in order. This module
+(:mod:`nblaunch.ranks.checks.fingerprints`) exactly which calls each rank issued on each group, so
+it sends the rank whose task ended a ``release`` message: the calls it owes, in order. This module
 issues them with throwaway tensors of the recorded shapes and dtypes, with the same operation,
 group, root and reduce op, so the peer's call completes (with meaningless values, as an
 interrupted step has) and the group's own numbering stays in step for the next cell. The peer
@@ -21,7 +21,7 @@ from typing import Any
 
 from nblaunch.events import Released
 from nblaunch.ranks import this_rank
-from nblaunch.ranks.debug_report import DDP_ALL_REDUCE
+from nblaunch.ranks.checks.debug_report import DDP_ALL_REDUCE
 
 # How long one release may wait for its peers (they are waiting already: it is quick).
 RELEASE_TIMEOUT_S = 10.0
@@ -94,7 +94,7 @@ def release(calls: list[dict[str, Any]], timeout_s: float) -> None:
     LookupError, ValueError
         The call's group is gone, or the call cannot be released.
     """
-    from nblaunch.ranks.debug_mode import verified_region
+    from nblaunch.ranks.checks.debug_mode import verified_region
 
     deadline = time.monotonic() + timeout_s
     with verified_region():  # nothing here is checked or counted: it is not the person's call
@@ -110,7 +110,7 @@ def _first_ddp_step(call: dict[str, Any]) -> str | None:
     has not taken its first step (the flight recorder's entries do not say; this rank knows)."""
     if call["record"].get("op") != DDP_ALL_REDUCE:
         return None
-    from nblaunch.ranks.debug_patches import ddp_models, first_step
+    from nblaunch.ranks.checks.debug_patches import ddp_models, first_step
 
     if any(first_step(model) for model in ddp_models(call["group"])):
         return unsupported(dict(call["record"], args={"first step": True}))
@@ -133,7 +133,7 @@ def _issue(record: dict[str, Any], group: Any, deadline: float) -> None:
     import torch
     import torch.distributed as dist
 
-    from nblaunch.ranks.debug_mode import collective_device, unpatched
+    from nblaunch.ranks.checks.debug_mode import collective_device, unpatched
 
     op = record["op"]
     device = collective_device(group)
@@ -224,7 +224,7 @@ def _release_nblaunch_op(name: str, tensors: list[Any], args: dict[str, Any], gr
 
 def _release_objects(name: str, args: dict[str, Any], world: int, me: int, group: Any) -> None:
     """The object collectives size their own messages: ``None`` objects match any."""
-    from nblaunch.ranks.debug_mode import unpatched
+    from nblaunch.ranks.checks.debug_mode import unpatched
 
     call: Callable[..., Any] = unpatched(name)
     if name == "all_gather_object":

@@ -15,11 +15,11 @@ import sysconfig
 import threading
 import traceback
 from dataclasses import dataclass
-from types import FrameType
+from types import CodeType, FrameType
 
-from nblaunch.ranks import worker
-from nblaunch.ranks.process_groups import sequence_number
-from nblaunch.ranks.waits import posted_in_sequence
+from nblaunch.ranks.checks import debug_mode
+from nblaunch.ranks.checks.process_groups import sequence_number
+from nblaunch.ranks.checks.waits import posted_in_sequence
 
 # Longest stack text a heartbeat carries (a deep stack of many threads is cut).
 MAX_STACK_CHARS = 20_000
@@ -69,12 +69,13 @@ def _is_collective_name(name: str) -> bool:
     return not name.startswith(("_", "get_", "is_")) and name != "destroy_process_group"
 
 
-# Where nblaunch calls the user's task: the frames above it are the process bootstrap (the
-# forkserver's ``<string>`` frame) and nblaunch's loop, never the user's code.
-_TASK_ENTRY = worker._run_task.__code__
-# Debug mode's check before a collective (nblaunch.ranks.debug_mode.verify): its frame names the
-# operation.
-VERIFY_FRAME = ("verify", os.path.join(_NBLAUNCH_DIR, "ranks", "debug_mode.py"))
+# Where nblaunch calls the user's task (the worker names its function here as it is imported):
+# the frames above it are the process bootstrap (the forkserver's ``<string>`` frame) and
+# nblaunch's loop, never the user's code.
+task_entries: set[CodeType] = set()
+# Debug mode's check before a collective (nblaunch.ranks.checks.debug_mode.verify): its frame names
+# the operation.
+VERIFY_FRAME = ("verify", debug_mode.verify.__code__.co_filename)
 
 
 @dataclass
@@ -98,7 +99,7 @@ def read_position(frame: FrameType | None, previous: Position | None = None) -> 
     """
     frames = []
     signature = []
-    while frame is not None and frame.f_code is not _TASK_ENTRY:
+    while frame is not None and frame.f_code not in task_entries:
         frames.append(frame)
         signature.append((id(frame.f_code), frame.f_lasti))
         frame = frame.f_back

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 
 from nblaunch.ranks import this_rank
-from nblaunch.ranks.debug_mode import (
+from nblaunch.ranks.checks.debug_mode import (
     checks_enabled,
     collective_device,
     in_group,

@@ -23,7 +23,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nblaunch.events import RELEASE, SETUP, STOP, Event
-from nblaunch.ranks import containment, devices, this_rank, warm_up, xla
+from nblaunch.ranks import containment, stacks, this_rank
+from nblaunch.ranks.device import devices, warm_up, xla
 from nblaunch.ranks.failure import failure_event
 from nblaunch.ranks.this_rank import Channel, emit
 
@@ -35,11 +36,11 @@ _tree_marker: str | None = None  # see containment.TREE_ENV
 RANK_FEATURES = (
     "nblaunch.ranks.logging",
     "nblaunch.ranks.trigger",
-    "nblaunch.ranks.fingerprints",
-    "nblaunch.ranks.debug_patches",
-    "nblaunch.ranks.recorder",  # after fingerprints: its hook runs inside the outbox's
-    "nblaunch.ranks.batch_size",
-    "nblaunch.ranks.waits",
+    "nblaunch.ranks.checks.fingerprints",
+    "nblaunch.ranks.checks.debug_patches",
+    "nblaunch.ranks.checks.recorder",  # after fingerprints: its hook runs inside the outbox's
+    "nblaunch.ranks.memory.batch_size",
+    "nblaunch.ranks.checks.waits",
     "nblaunch.ranks.heartbeat",
     "nblaunch.ranks.debugger",
 )
@@ -76,7 +77,7 @@ def main(
     warm
         For a spare rank forked after a launch on an accelerator: the device it would get and
         the notebook's device environment then; it makes its context there while it waits
-        (:mod:`nblaunch.ranks.warm_up`).
+        (:mod:`nblaunch.ranks.device.warm_up`).
     """
     global _channel, _tree_marker
     _tree_marker = tree_marker
@@ -331,6 +332,9 @@ def _run_task(message: dict[str, Any]) -> None:
     _flush_output()  # what the task printed, even a last line without "\n", comes first
     emit(outcome)
     emit({"kind": "finished", "rank": rank})
+
+
+stacks.task_entries.add(_run_task.__code__)  # the user's frames start below it
 
 
 def _tear_down() -> None:

@@ -1,6 +1,6 @@
 """Restarting every rank at a smaller batch size when a peer's out-of-memory left them blocked.
 
-The notebook's side of :func:`nblaunch.ranks.batch_size.find_executable_batch_size`.
+The notebook's side of :func:`nblaunch.ranks.memory.batch_size.find_executable_batch_size`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from nblaunch.engine.monitors.protocol import RunContext
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, NoExecutableBatchSizeError
 from nblaunch.events import RunState
-from nblaunch.ranks.batch_size import (
+from nblaunch.ranks.memory.batch_size import (
     RESTART_OPTION,
     no_size_message,
     render_attempts,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from nblaunch.engine.monitors import deadlock
 from nblaunch.engine.monitors.source_lines import with_source
 from nblaunch.events import Heartbeat
-from nblaunch.ranks import process_groups
+from nblaunch.ranks.checks import process_groups
 
 # The input of debug mode's own all_gather (ranks.debug_mode.RECORD_BYTES; a test keeps them
 # equal): a rank that waits in it waits in the check before the user's call.

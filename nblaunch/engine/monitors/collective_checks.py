@@ -1,12 +1,12 @@
 """The out-of-band collective checks in the notebook: compare the ranks' collectives as they come.
 
 Each rank sends a record of every collective it issues down a local socket
-(:mod:`nblaunch.ranks.fingerprints`), read here at every check (:class:`CallReader`); a joined
-node of a multi-node run passes what its ranks sent on to the notebook as ``Collectives``
+(:mod:`nblaunch.ranks.checks.fingerprints`), read here at every check (:class:`CallReader`); a
+joined node of a multi-node run passes what its ranks sent on to the notebook as ``Collectives``
 events, with its other events. :class:`CollectiveChecks` keeps the records of each
 collective (task, process group, its number on that group) until every rank of the group sent
 one, and compares them with debug mode's rules
-(:func:`nblaunch.ranks.debug_report.mismatch_message`) as soon as two are there. When they
+(:func:`nblaunch.ranks.checks.debug_report.mismatch_message`) as soon as two are there. When they
 disagree the run ends with the same :class:`~nblaunch.errors.DistributedOperationException`
 debug mode raises (both calls, both call sites, the shape table) within about a tenth of a
 second of the second rank's call, even when gloo aborted a rank right after it.
@@ -29,7 +29,7 @@ from nblaunch.engine.monitors.protocol import RunContext
 from nblaunch.engine.monitors.source_lines import cell_names
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedOperationException
-from nblaunch.ranks.debug_report import (
+from nblaunch.ranks.checks.debug_report import (
     DDP_ALL_REDUCE,
     base_operation,
     is_recorded,
@@ -37,7 +37,7 @@ from nblaunch.ranks.debug_report import (
     record_of,
     same_facts,
 )
-from nblaunch.ranks.fingerprints import (
+from nblaunch.ranks.checks.fingerprints import (
     CALL,
     CALL_TAG,
     DEFINITION,
@@ -86,7 +86,7 @@ class CallReader:
     blocking.
 
     The messages are calls by index and the definitions they refer to
-    (``nblaunch.ranks.fingerprints.CALL``); each call is read into a
+    (``nblaunch.ranks.checks.fingerprints.CALL``); each call is read into a
     :class:`~nblaunch.events.CollectiveCall`. Only processes of this user may connect
     (the abstract namespace has no file permissions), which may read this process's memory
     anyway: their pickles are as trusted as the ranks' event pipes.

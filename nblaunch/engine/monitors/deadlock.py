@@ -1,7 +1,7 @@
 """Deadlocks proven from what every rank waits on, not timed.
 
 Each heartbeat says what its rank waits on (:mod:`nblaunch.ranks.heartbeat`,
-:mod:`nblaunch.ranks.waits`) and what it has issued so far:
+:mod:`nblaunch.ranks.checks.waits`) and what it has issued so far:
 
 * a collective waits on its process group at its number ``n`` there; it completes only when
   every member of the group has issued call ``n`` on it;

@@ -32,7 +32,7 @@ from nblaunch.engine.monitors.stragglers import StragglerWatch
 from nblaunch.engine.verdict import Cause, RootCause
 from nblaunch.errors import DistributedHangError, RankFailedError
 from nblaunch.events import RunState
-from nblaunch.ranks import process_groups
+from nblaunch.ranks.checks import process_groups
 
 # Parent side: a rank returned while another waits in a collective. With sequence numbers the
 # hang is certain and is reported this long after the return; without, the waiting rank must

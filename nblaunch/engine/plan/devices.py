@@ -6,7 +6,7 @@ system: NVIDIA's and ROCm's driver files (then torch counts GPUs through NVML, w
 initialise CUDA), TPU chips on the PCI bus (Google's vendor id, as torch_xla counts them), and,
 for every other accelerator torch knows, a probe: a process forked from the forkserver, which
 has torch imported already, imports the plug-ins (``NBLAUNCH_DEVICE_MODULES``) and asks
-``torch.accelerator`` and torch.distributed (:func:`nblaunch.ranks.devices.probe`).
+``torch.accelerator`` and torch.distributed (:func:`nblaunch.ranks.device.devices.probe`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from nblaunch.errors import LaunchError
 from nblaunch.options import check_device_type
-from nblaunch.ranks.devices import MODULES_ENV
+from nblaunch.ranks.device.devices import MODULES_ENV
 
 # Where torch_xla looks for TPU chips: PCI devices of Google's vendor id with a TPU device id.
 PCI_DEVICES = "/sys/bus/pci/devices"
@@ -209,7 +209,7 @@ def _probe(device_type: str | None, *cache_key: object) -> Devices:
     import multiprocessing
 
     from nblaunch.engine.processes.supervisor import FORKSERVER_PRELOAD, main_module_hidden
-    from nblaunch.ranks import devices
+    from nblaunch.ranks.device import devices
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD)

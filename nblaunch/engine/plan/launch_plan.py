@@ -33,7 +33,7 @@ from nblaunch.options import (
     env_whole,
     log_level_from_env,
 )
-from nblaunch.ranks import process_groups
+from nblaunch.ranks.checks import process_groups
 
 # More CPU ranks than this per core are refused unless NBLAUNCH_MAX_PROCESSES allows them.
 CPU_RANKS_PER_CORE = 4
@@ -69,8 +69,8 @@ class LaunchPlan:
     # How long the engine waits for the ranks before it looks at quiet ones again.
     monitor_interval: float = DEFAULT_MONITOR_INTERVAL_S
     # Every rank sends a fingerprint of each collective and the launcher compares them
-    # (nblaunch.ranks.fingerprints, nblaunch.engine.monitors.collective_checks); off under debug
-    # mode, which checks before each call instead.
+    # (nblaunch.ranks.checks.fingerprints, nblaunch.engine.monitors.collective_checks); off under
+    # debug mode, which checks before each call instead.
     checks: bool = False
     # How the default group meets: "xla://" on TPUs (torch_xla's rendezvous, on nblaunch's
     # store); None: nblaunch's store directly.

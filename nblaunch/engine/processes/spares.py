@@ -11,7 +11,7 @@ other launch lets them go (they exit on the end of their pipe), and so does the 
 
 After a launch on an accelerator (a GPU), each spare also learns at fork time which device it
 would get and the notebook's device environment then (``CUDA_VISIBLE_DEVICES`` and the like),
-and makes its device's context while it waits (:mod:`nblaunch.ranks.warm_up`): the CUDA
+and makes its device's context while it waits (:mod:`nblaunch.ranks.device.warm_up`): the CUDA
 context (0.33 s on an H200, measured by issue 41's session) is then no longer in a warm
 launch. A launch whose device type or device environment differs from what the spares warmed
 up with lets them go and forks fresh ranks, as for any other mismatch: never a rank on a wrong
@@ -36,7 +36,7 @@ from typing import Any
 
 from nblaunch.engine.processes.supervisor import RankProcess, Supervisor, main_module_has_source
 from nblaunch.options import env_off
-from nblaunch.ranks import warm_up
+from nblaunch.ranks.device import warm_up
 
 SPARES_ENV = "NBLAUNCH_SPARE_RANKS"
 # The forking waits this long, so that the cell that launched ends first: it would compete
@@ -53,7 +53,7 @@ class Spares:
     tree_marker: str
     ranks: list[RankProcess]
     device_type: str = "cpu"
-    # What they warmed up with (nblaunch.ranks.warm_up.plan); None: nothing (CPU ranks).
+    # What they warmed up with (nblaunch.ranks.device.warm_up.plan); None: nothing (CPU ranks).
     warm: dict[str, Any] | None = None
 
 

@@ -8,14 +8,14 @@ the same :class:`~nblaunch.errors.DistributedOperationException`, instead of han
 corrupting tensors.
 
 Without debug mode the same records are checked out of band (on by default): :func:`verify`
-sends this rank's record to the launcher (:mod:`nblaunch.ranks.fingerprints`) and returns at
+sends this rank's record to the launcher (:mod:`nblaunch.ranks.checks.fingerprints`) and returns at
 once; the launcher compares the ranks' records and raises the same exception.
 
 This module owns that check (:func:`verify`) and the helpers every collective of nblaunch shares
 (torch's own functions, never debug mode's wrappers). The report's wording is in
-:mod:`nblaunch.ranks.debug_report`; torch.distributed and DDP, patched inside ranks while debug
-mode is on, in :mod:`nblaunch.ranks.debug_patches`. Heartbeats recognise a rank waiting in the
-check by :func:`verify`'s frame (``nblaunch.ranks.heartbeat``).
+:mod:`nblaunch.ranks.checks.debug_report`; torch.distributed and DDP, patched inside ranks while
+debug mode is on, in :mod:`nblaunch.ranks.checks.debug_patches`. Heartbeats recognise a rank waiting
+in the check by :func:`verify`'s frame (``nblaunch.ranks.heartbeat``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from typing import Any
 
 from nblaunch.errors import DistributedOperationException
 from nblaunch.options import debug_from_env
-from nblaunch.ranks import fingerprints, this_rank
-from nblaunch.ranks.debug_report import mismatch_message, record_of
+from nblaunch.ranks import this_rank
+from nblaunch.ranks.checks import fingerprints
+from nblaunch.ranks.checks.debug_report import mismatch_message, record_of
 
 # Bytes each rank contributes to the verification all_gather; a record is ~200 bytes, and one
 # that does not fit lists fewer tensors (the comparison still uses digests of all of them).
@@ -181,7 +182,7 @@ def verify(
     In debug mode, one fixed-size ``all_gather`` of a small record per rank: every rank
     receives every record and reaches the same verdict, so either all ranks go on or all raise.
     Otherwise the record goes to the launcher, which compares the ranks' records out of band
-    (:mod:`nblaunch.ranks.fingerprints`), and this returns at once.
+    (:mod:`nblaunch.ranks.checks.fingerprints`), and this returns at once.
 
     Parameters
     ----------

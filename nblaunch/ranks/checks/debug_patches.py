@@ -4,14 +4,14 @@ nblaunch's own collectives (:mod:`nblaunch.ranks.ops`) verify themselves. So tha
 called by user code and libraries are verified too, torch.distributed's own collectives
 (``dist.all_reduce``, ``dist.broadcast``, ...) are patched for the duration of each task while
 debug mode or the out-of-band checks (the default) are on; the patches are removed when the task
-ends (a task hook does both). :func:`nblaunch.ranks.debug_mode.verify` decides how: before the
-call (debug mode) or by sending its record to the launcher (the checks).
+ends (a task hook does both). :func:`nblaunch.ranks.checks.debug_mode.verify` decides how: before
+the call (debug mode) or by sending its record to the launcher (the checks).
 
 DDP's gradient all-reduce runs in C++. Debug mode gives every DDP model made in the task a comm
 hook that verifies each bucket before it is reduced. The out-of-band checks install no hook
 (it cost a DDP step 5-20%: a Python call per bucket, and the scaling DDP fuses into its copy):
-they read DDP's all-reduces from torch's flight recorder (:mod:`nblaunch.ranks.recorder`), and
-only note which process groups have a DDP model (:func:`ddp_groups`), so that an all-reduce
+they read DDP's all-reduces from torch's flight recorder (:mod:`nblaunch.ranks.checks.recorder`),
+and only note which process groups have a DDP model (:func:`ddp_groups`), so that an all-reduce
 torch issued on one is named as DDP's.
 """
 
@@ -24,9 +24,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nblaunch.ranks import fingerprints, this_rank
-from nblaunch.ranks.debug_mode import in_group, in_verified_region, verified_region, verify
-from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, format_shape
+from nblaunch.ranks import this_rank
+from nblaunch.ranks.checks import fingerprints
+from nblaunch.ranks.checks.debug_mode import in_group, in_verified_region, verified_region, verify
+from nblaunch.ranks.checks.debug_report import DDP_ALL_REDUCE, format_shape
 
 # torch.distributed collectives verified inside ranks while debug mode is on.
 PATCHED = (

@@ -1,6 +1,6 @@
 """Debug mode's report: what every rank reads when the ranks' collective calls disagree.
 
-Each rank's record (built by :func:`nblaunch.ranks.debug_mode.verify`) is a JSON-safe dict:
+Each rank's record (built by :func:`nblaunch.ranks.checks.debug_mode.verify`) is a JSON-safe dict:
 ``op``, ``rank``, ``site``, ``rule``, ``n`` (how many tensors), ``shapes``/``dtypes``/``devices``
 (the first few), ``key`` (digests of all of them, compared), ``out``, ``args`` and ``problem``.
 :func:`mismatch_message` turns every rank's record into the same message on every rank. It

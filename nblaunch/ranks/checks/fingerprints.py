@@ -3,7 +3,7 @@
 On by default (``debug=False`` or ``NBLAUNCH_CHECKS=0`` turn them off; ``debug=True`` checks
 before each call instead). The same calls debug mode verifies (:mod:`nblaunch.ranks.ops`,
 torch.distributed's collectives and DDP's gradient all-reduce, patched by
-:mod:`nblaunch.ranks.debug_patches`) each send the call's facts (operation, call site,
+:mod:`nblaunch.ranks.checks.debug_patches`) each send the call's facts (operation, call site,
 shapes, dtypes, arguments: a plain tuple, ``debug_report.FACTS``), numbered by its process
 group and its place on that group, to the launcher
 (:mod:`nblaunch.engine.monitors.collective_checks`), which compares the ranks' facts and stops the
@@ -27,7 +27,7 @@ launcher where; batching calls would need a thread that wakes up to flush them, 
 the last ones of a rank that gloo aborted.
 
 What torch issues itself (DDP's gradient all-reduce, FSDP's collectives) is read from its
-flight recorder by :mod:`nblaunch.ranks.recorder` and sent down the same pipe as a second
+flight recorder by :mod:`nblaunch.ranks.checks.recorder` and sent down the same pipe as a second
 stream, numbered by the recorder; each call checked here leaves a :class:`Claim` by which the
 reader knows the entries it issued, and says (17 bytes then) the number the recorder will give
 it, for a rank that gloo aborts before its reader sees the entry.
@@ -51,7 +51,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from nblaunch.ranks import process_groups, this_rank, waits
+from nblaunch.ranks import this_rank
+from nblaunch.ranks.checks import process_groups, waits
 
 # Bytes a rank may write ahead of the launcher's reading (~20000 calls) before it waits. Not
 # more: a user's pipes share 64 MiB (pipe-user-pages-soft), past which Linux gives a new pipe a
@@ -70,11 +71,11 @@ DEFINITION = struct.Struct("<BI")
 # Distinct facts numbered per task; past this the numbers start again (the launcher's table
 # is overwritten definition by definition: shapes that change every step must not grow it).
 MAX_FACTS = 4096
-# The calls checked here, kept for the flight recorder's reader (nblaunch.ranks.recorder): it
+# The calls checked here, kept for the flight recorder's reader (nblaunch.ranks.checks.recorder): it
 # tells which recorded collectives these calls issued by their thread and time.
 MAX_CLAIMS = 4096
 # The two streams of calls: the calls checked here, numbered by this module; the flight
-# recorder's entries, numbered by torch (``collective_seq_id``), read by ranks/recorder.py.
+# recorder's entries, numbered by torch (``collective_seq_id``), read by ranks/checks/recorder.py.
 CALLS, RECORDER = "calls", "recorder"
 # Per group name: what the recorder's number of a call is, as the reader last found it: (its
 # number - the group's sequence number before the call - 1, the point-to-point posts then).
@@ -147,7 +148,7 @@ class Outbox:
         self.routes: dict[Any, Route | None] = {}
         self.facts: dict[tuple[Any, ...], int] = {}  # the facts sent so far, by their index
         self.claims: deque[Claim] = deque(maxlen=MAX_CLAIMS)
-        self.predicting = False  # the recorder's reader runs (ranks/recorder.py sets it)
+        self.predicting = False  # the recorder's reader runs (ranks/checks/recorder.py sets it)
         self._lock = threading.Lock()
         self.pipe: int | None = None  # the pipe's writing end
         read_end = -1
@@ -322,7 +323,7 @@ def collective_outbox(context: this_rank.RankContext) -> Iterator[Outbox | None]
         return
     outbox = _outbox = Outbox(context.rank, context.task_id, address)
     try:
-        yield outbox  # inside: the recorder's reader (nblaunch.ranks.recorder), a task hook
+        yield outbox  # inside: the recorder's reader (nblaunch.ranks.checks.recorder), a task hook
     finally:
         _outbox = None
         outbox.close()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nblaunch.ranks import this_rank
-from nblaunch.ranks.waits import posted_in_sequence
+from nblaunch.ranks.checks.waits import posted_in_sequence
 
 # Collectives the flight recorder keeps per rank: a hang report needs only the last few.
 FLIGHT_RECORDER_ENTRIES = 64
@@ -88,7 +88,7 @@ def group_status() -> dict[str, tuple[int, int]] | None:
 
     A group whose last issued collective is past its last completed one has work in flight.
     Collectives only: gloo's counts take in its sends and receives, which are taken out again
-    (:func:`nblaunch.ranks.waits.posted_in_sequence`), so that ranks that post unevenly (a
+    (:func:`nblaunch.ranks.checks.waits.posted_in_sequence`), so that ranks that post unevenly (a
     pipeline's stages) give the same number to the same collective, as its recorder does.
     """
     status: dict[str, tuple[int, int]] = {}
@@ -234,7 +234,7 @@ def collective_label(
 
     DDP's reducer issues its gradient all-reduce from C++ during ``backward()``; its forward
     syncs buffers and rebuilds buckets; FSDP's collectives come from its own modules. In debug
-    mode the waiting collective may be the check (``nblaunch.ranks.debug_mode.verify``) run
+    mode the waiting collective may be the check (``nblaunch.ranks.checks.debug_mode.verify``) run
     before the operation ``checked``.
     """
     normalised = [file.replace("\\", "/") for file in files]

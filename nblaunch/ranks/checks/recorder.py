@@ -3,12 +3,12 @@
 torch records every collective its process groups issue, from Python or from C++ (DDP's
 gradient all-reduce in ``backward()``, its broadcasts, FSDP's all-gathers), in its flight
 recorder (on for gloo and NCCL while ``TORCH_FR_BUFFER_SIZE`` > 0; nblaunch turns it on,
-:mod:`nblaunch.ranks.process_groups`). While the out-of-band checks are on, in a launch of two
-ranks or more, a thread of each task (:class:`RecorderReader`) looks at the groups' counts 50
+:mod:`nblaunch.ranks.checks.process_groups`). While the out-of-band checks are on, in a launch of
+two ranks or more, a thread of each task (:class:`RecorderReader`) looks at the groups' counts 50
 times a second and reads the entries made since its last read once the recorder is nearly full
 of new ones or the oldest is a quarter of a second old (see ``POLL_S``), and sends each one's
 fingerprint (operation, input sizes, dtypes, its number on its group: ``collective_seq_id``)
-down the checks' pipe (:mod:`nblaunch.ranks.fingerprints`), where the launcher compares them
+down the checks' pipe (:mod:`nblaunch.ranks.checks.fingerprints`), where the launcher compares them
 as it compares the calls checked in Python (:mod:`nblaunch.engine.monitors.collective_checks`).
 Nothing runs in the training step: DDP keeps its own C++ all-reduce, and a user's comm hook stays
 the one DDP reports.
@@ -16,7 +16,7 @@ the one DDP reports.
 An entry issued by a call checked in Python (``dist.all_reduce``, nblaunch's own collectives)
 is sent with that call's facts, so that the report names the call and its line; the entry is
 that call's when it was made on the same thread, on the same group, while the call ran (a
-:class:`~nblaunch.ranks.fingerprints.Claim`). Any other entry was issued by torch itself: an
+:class:`~nblaunch.ranks.checks.fingerprints.Claim`). Any other entry was issued by torch itself: an
 all-reduce on a group with a DDP model is DDP's gradient all-reduce; its call site is the line
 the task's thread is on when the entry is read (the ``loss.backward()`` a rank waits in).
 """
@@ -31,9 +31,10 @@ import threading
 import time
 from typing import Any
 
-from nblaunch.ranks import fingerprints, process_groups, this_rank
-from nblaunch.ranks.debug_mode import UNKNOWN, site_of
-from nblaunch.ranks.debug_report import DDP_ALL_REDUCE, RECORDED
+from nblaunch.ranks import this_rank
+from nblaunch.ranks.checks import fingerprints, process_groups
+from nblaunch.ranks.checks.debug_mode import UNKNOWN, site_of
+from nblaunch.ranks.checks.debug_report import DDP_ALL_REDUCE, RECORDED
 
 # How often the thread looks at the groups' counts (a few µs), and when it reads the new entries:
 # a read takes about 5 µs per entry the recorder holds (0.32 ms for 64 on this project's CPU),
@@ -354,7 +355,7 @@ def _dump_functions() -> list[tuple[Any, Any]]:
 def _has_ddp_model(group: str) -> bool:
     global _ddp_groups
     if _ddp_groups is None:
-        from nblaunch.ranks.debug_patches import ddp_groups
+        from nblaunch.ranks.checks.debug_patches import ddp_groups
 
         _ddp_groups = ddp_groups()  # the set itself, which DDP models made later join
     return group in _ddp_groups

@@ -39,8 +39,8 @@ _groups: dict[int, tuple[Any, str, list[int], bool]] = {}  # id(pg) -> (pg, name
 _total = 0  # operations posted in this task, all kinds
 # group name -> (a weak reference to the group, operations posted on it in this process in every
 # task, whether its backend is gloo): gloo counts them in the group's sequence number, its flight
-# recorder does not (ranks/recorder.py). A group made again under the name (the default group,
-# destroyed and made again) counts from 0, as its sequence number does.
+# recorder does not (ranks/checks/recorder.py). A group made again under the name (the default
+# group, destroyed and made again) counts from 0, as its sequence number does.
 _posted_by_group: dict[str, tuple[Any, int, bool]] = {}
 # Work.wait while a request is outstanding (see _watch_waits); None outside a task.
 _work_class: Any = None

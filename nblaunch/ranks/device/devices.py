@@ -7,7 +7,7 @@ registered); each rank owns the device of its ``LOCAL_RANK``, pinned with
 ``torch.accelerator.set_device_index`` (or, for a device that only Python registered, its device
 module's ``set_device``) before user code runs; the backend is torch.distributed's default for
 the device type (``Backend.default_device_backend_map``: NCCL, XCCL, HCCL, ...), with gloo for
-CPU tensors. XLA devices set up their runtime first (:mod:`nblaunch.ranks.xla`).
+CPU tensors. XLA devices set up their runtime first (:mod:`nblaunch.ranks.device.xla`).
 
 Plug-ins that are not loaded by torch on their own (``torch_npu``, ``habana_frameworks.torch``, a
 test accelerator) are named in ``NBLAUNCH_DEVICE_MODULES``: every rank, and the probe that counts

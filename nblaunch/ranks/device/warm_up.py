@@ -12,7 +12,7 @@ go, and forks a fresh rank, when the device or its environment changed since the
 spare set up for anything else would be a rank on a wrong device, so it refuses to run.
 
 Nothing of this runs for CPU ranks (no plan, no thread) or on XLA devices (their runtime is set
-up per launch, :mod:`nblaunch.ranks.xla`).
+up per launch, :mod:`nblaunch.ranks.device.xla`).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _make_context(device_type: str, index: int) -> None:
     assert _report is not None
     began = time.perf_counter()
     try:
-        from nblaunch.ranks import devices
+        from nblaunch.ranks.device import devices
 
         devices.import_device_modules()
         import torch

@@ -1,1 +1,2 @@
-"""Memory on a rank: its counts and helpers, and the batch-size search that retries after running out of it."""
+"""Memory on a rank: its counts and helpers, and the batch-size search that retries after running
+out of it."""

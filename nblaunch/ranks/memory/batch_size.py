@@ -16,7 +16,7 @@ attempts (silently wrong results) or wait for each other forever. So:
 Each agreed attempt is a ``Progress`` event (``what="batch_size"``) that views print as
 ``128 x (rank 1: out of memory) -> 64 x -> 32 ok``, then ``batch 32 per rank x 2 ranks = 64
 effective``. Recognising an out-of-memory error and freeing memory are in
-:mod:`nblaunch.ranks.memory`.
+:mod:`nblaunch.ranks.memory.memory`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 from nblaunch.errors import NoExecutableBatchSizeError
 from nblaunch.ranks import this_rank
-from nblaunch.ranks.memory import effective_batch_size_event, free_memory, is_out_of_memory
+from nblaunch.ranks.memory.memory import effective_batch_size_event, free_memory, is_out_of_memory
 
 # Key of the setup option through which a restart tells ranks where to resume the search.
 RESTART_OPTION = "batch_size_restart"

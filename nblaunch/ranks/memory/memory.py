@@ -3,8 +3,8 @@
 :func:`is_out_of_memory` recognises an out-of-memory error from any device; :func:`free_memory`
 drops references and empties the device caches; :func:`set_seed` seeds every generator;
 :func:`per_device_batch_size` divides a global batch size over the ranks. The search for a batch
-size that fits (:func:`~nblaunch.ranks.batch_size.find_executable_batch_size`) is in
-:mod:`nblaunch.ranks.batch_size`.
+size that fits (:func:`~nblaunch.ranks.memory.batch_size.find_executable_batch_size`) is in
+:mod:`nblaunch.ranks.memory.batch_size`.
 """
 
 from __future__ import annotations
