@@ -7,7 +7,7 @@ import platform
 
 import pytest
 
-from nblaunch.engine.plan import doctor
+from nblaunch.engine.plan import doctor, gpus
 from nblaunch.engine.plan.doctor import Accelerator
 from nblaunch.engine.plan.launch_plan import plan_launch
 from nblaunch.options import LaunchOptions
@@ -105,18 +105,18 @@ def test_visible_devices_select_and_order_gpus(monkeypatch):
         {"index": 0, "name": "A", "memory": GIB, "uuid": "GPU-aaa", "source": "nvml"},
         {"index": 1, "name": "B", "memory": 2 * GIB, "uuid": "GPU-bbb", "source": "nvml"},
     ]
-    monkeypatch.setattr(doctor, "_nvml_gpus", lambda: listed)
+    monkeypatch.setattr(gpus, "_nvml_gpus", lambda: listed)
     try:
         for visible, names in [("1,0", ["B", "A"]), ("GPU-bb", ["B"]), ("0,7,1", ["A"]), ("", [])]:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-            doctor._driver_gpus.cache_clear()
+            gpus.visible_gpus.cache_clear()
             assert [g.name for g in doctor.accelerators()] == names, visible
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-        doctor._driver_gpus.cache_clear()
+        gpus.visible_gpus.cache_clear()
         found = doctor.accelerators()
         assert [g.describe() for g in found] == ["cuda:0 A, 1.0 GiB", "cuda:1 B, 2.0 GiB"]
     finally:
-        doctor._driver_gpus.cache_clear()
+        gpus.visible_gpus.cache_clear()
 
 
 # --- the report ----------------------------------------------------------------------------------

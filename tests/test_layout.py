@@ -13,6 +13,10 @@ A file's folder says which process it runs in (docs/design.md, "Packages by proc
 - ``nblaunch/lab/`` is the Jupyter server's extension (the runs panel): shared, engine, itself;
 - the shared modules (``errors``, ``events``, ``options``, ``tracebacks``, ``pickling``) import
   only each other.
+
+Inside ``engine/`` and ``ranks/`` a folder holds one concept and imports only the leaves and the
+folders below it (:data:`LAYERS`); inside a folder, no module imports another in a circle. An
+import under ``TYPE_CHECKING`` counts like any other: a type a module names is a dependency.
 """
 
 from __future__ import annotations
@@ -41,6 +45,26 @@ ALLOWED = {
     "lab": {"shared", "engine", "lab"},
 }
 FRONT_END_LIBRARIES = {"IPython", "ipywidgets", "ipykernel"}
+# Inside a package, bottom to top: each folder imports only the leaves and the folders before it.
+# The other modules at the top of ranks/ (the worker, ops, logging, ...) sit above its folders.
+LAYERS = {
+    "engine": (
+        "processes",
+        "plan",
+        "output",
+        "monitors",
+        "run",
+        "background",
+        "pool",
+        "detached",
+    ),
+    "ranks": ("device", "checks", "memory"),
+}
+# Modules at a package's top that every folder may read; they import only each other.
+LEAVES = {
+    "engine": {"clock", "verdict"},
+    "ranks": {"this_rank", "failure", "containment", "semaphores", "default_group"},
+}
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 350
 
@@ -114,15 +138,55 @@ def test_imports_follow_the_packages_by_process():
 
 
 def imports_for_circles(name: str, source: str, known: set[str]) -> set[str]:
-    """The modules of ``known`` that module ``name`` imports anywhere: at module level and inside
-    functions alike, since a reader follows both and a change ripples through both. Only
-    imports under ``TYPE_CHECKING`` are left out: they never run."""
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            node.body = [ast.Pass()]
-    found = {imported for _, imported in imports_of(name, ast.unparse(tree))}
+    """The modules of ``known`` that module ``name`` imports anywhere: at module level, inside
+    functions and under ``TYPE_CHECKING`` alike, since a reader follows each of them and a
+    change ripples through each."""
+    found = {imported for _, imported in imports_of(name, source)}
     return {module for module in found if module in known and module != name}
+
+
+def layer_of(module: str) -> tuple[str, int] | None:
+    """``nblaunch.engine.run.run`` -> ("engine", 4): its package and its folder's place in
+    :data:`LAYERS` (-1: a leaf; a ranks module above the folders: their count); None outside."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[0] != "nblaunch" or parts[1] not in LAYERS:
+        return None
+    package, below = parts[1], parts[2]
+    if below in LAYERS[package]:
+        return package, LAYERS[package].index(below)
+    if below in LEAVES[package]:
+        return package, -1
+    return package, len(LAYERS[package])
+
+
+def broken_layers(name: str, source: str) -> list[str]:
+    """The imports of module ``name`` that reach a folder above its own, as ``line: module``."""
+    here = layer_of(name)
+    if here is None:
+        return []
+    broken = []
+    for line, imported in imports_of(name, source):
+        there = layer_of(imported)
+        if there is not None and there[0] == here[0] and there[1] > here[1]:
+            broken.append(f"{line}: {imported}")
+    return broken
+
+
+def test_each_folder_imports_only_the_leaves_and_the_folders_below_it():
+    broken = [
+        f"{name}:{where}"
+        for name, path in modules()
+        for where in broken_layers(name, path.read_text())
+    ]
+    assert broken == []
+
+
+def test_every_engine_and_rank_folder_is_placed_in_the_layers():
+    for package in LAYERS:
+        folders = {p.name for p in (PACKAGE / package).iterdir() if (p / "__init__.py").exists()}
+        assert folders == set(LAYERS[package])
+    top = {p.stem for p in (PACKAGE / "engine").glob("*.py")} - {"__init__"}
+    assert top == LEAVES["engine"]
 
 
 def test_no_import_circle():
@@ -158,11 +222,27 @@ def test_a_circle_would_be_found():
     assert graph["a"] == {"b"}
     with pytest.raises(graphlib.CycleError):
         graphlib.TopologicalSorter(graph).prepare()
-    # Only TYPE_CHECKING imports never run.
-    typing_only = (
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import b\nelse:\n    import c\n"
+    # A type named under TYPE_CHECKING is a dependency too.
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import b\n"
+    assert imports_for_circles("a", typing_only, {"b", "c"}) == {"b"}
+
+
+def test_a_reach_into_a_folder_above_would_be_found():
+    upward = "def f():\n    from nblaunch.engine.pool.pool_engine import PoolEngine\n"
+    assert broken_layers("nblaunch.engine.run.run", upward) == [
+        "2: nblaunch.engine.pool.pool_engine.PoolEngine",
+        "2: nblaunch.engine.pool.pool_engine",
+    ]
+    typing = "if TYPE_CHECKING:\n    from nblaunch.engine.run.run import Run\n"
+    assert broken_layers("nblaunch.engine.processes.stopper", typing) == [
+        "2: nblaunch.engine.run.run.Run",
+        "2: nblaunch.engine.run.run",
+    ]
+    assert broken_layers("nblaunch.engine.verdict", "from nblaunch.engine.plan import x\n") != []
+    assert broken_layers("nblaunch.ranks.checks.waits", "from nblaunch.ranks import worker\n")
+    assert (
+        broken_layers("nblaunch.ranks.worker", "from nblaunch.ranks.memory import memory\n") == []
     )
-    assert imports_for_circles("a", typing_only, {"b", "c"}) == {"c"}
 
 
 def test_the_rules_catch_what_they_are_for():

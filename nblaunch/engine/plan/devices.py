@@ -18,6 +18,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from nblaunch.engine.plan import gpus
 from nblaunch.errors import LaunchError
 from nblaunch.options import check_device_type
 from nblaunch.ranks.device.devices import MODULES_ENV
@@ -107,7 +108,11 @@ def _cuda() -> Devices | None:
     count = torch.cuda.device_count()
     if not count:
         return None
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_initialized() else "GPU"
+    if torch.cuda.is_initialized():
+        name = torch.cuda.get_device_name(0)
+    else:  # the driver's name for it, without initialising CUDA (fork stays possible)
+        listed = gpus.visible_gpus()
+        name = listed[0].name if listed else "GPU"
     return Devices("cuda", count, name, "nccl")
 
 
