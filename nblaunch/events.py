@@ -1,4 +1,4 @@
-"""The records that travel between ranks, nodes and the notebook, and the run states.
+"""The records that travel between ranks, nodes and the notebook, and the states of runs and ranks.
 
 Everything a view shows arrives as one of these records: the protocol is readable here, in one
 place. Ranks send ``Started``, ``Log``, ``Progress``, ``Heartbeat``, ``Metrics``, ``Failure``,
@@ -25,8 +25,35 @@ else:  # Python 3.10; typing_extensions comes with torch
     from typing_extensions import NotRequired
 
 
+class Lifecycle(str, enum.Enum):
+    """Where a run is in its life (a blocking, background or detached run, or a pool): what
+    handles, ``nblaunch runs``, ``%dist status``, the registry's files and the Lab panel say.
+
+    Formats as its value (``f"{Lifecycle.RUNNING}"`` is ``running``), as ``enum.StrEnum`` would
+    from Python 3.11 on. A rank of a run has a state of its own (:class:`RunState`): a running
+    run may have a rank stalled, in the debugger or retrying a batch size.
+    """
+
+    STARTING = "starting"
+    RUNNING = "running"
+    IDLE = "idle"  # a pool between tasks
+    BUSY = "busy"  # a pool running a task
+    BROKEN = "broken"  # a pool whose rank died: only a restart or a stop helps
+    DONE = "done"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    LOST = "lost"  # its host ended without leaving how the run went
+    CLOSED = "closed"  # a pool that was stopped, or not started yet
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 class RunState(str, enum.Enum):
-    """Lifecycle of one rank, as the views show it."""
+    """Lifecycle of one rank, as the views show it (a run's own is :class:`Lifecycle`)."""
 
     STARTING = "STARTING"
     RUNNING = "RUNNING"

@@ -19,6 +19,7 @@ import nblaunch
 from nblaunch.engine.detached import host_files
 from nblaunch.engine.detached import registry as detached
 from nblaunch.errors import RunStoppedError
+from nblaunch.events import Lifecycle
 from nblaunch.notebook.views import RecordingView
 
 
@@ -128,7 +129,7 @@ def test_a_view_that_connects_as_the_host_ends_shows_what_the_host_left(tmp_path
             "run",
             time.time(),
             2,
-            detached.RUNNING,
+            Lifecycle.RUNNING,
         )
         seen = RecordingView()
         run = attached.AttachedRun(entry, seen)

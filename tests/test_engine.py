@@ -33,8 +33,8 @@ from nblaunch.errors import (
     LaunchTimeoutError,
     PoolRestartedError,
 )
-from nblaunch.events import RunState
-from nblaunch.notebook.pool import Pool, PoolState
+from nblaunch.events import Lifecycle, RunState
+from nblaunch.notebook.pool import Pool
 from nblaunch.notebook.views import RecordingView
 from nblaunch.notebook.views.model import RunModel
 from nblaunch.notebook.views.summary import summary_bundle
@@ -250,7 +250,7 @@ def test_a_pool_task_that_fails_leaves_the_pool_ready_for_the_next_one():
     try:
         with pytest.raises(ValueError, match="boom"):
             pool.run(train)
-        assert pool.state is PoolState.IDLE
+        assert pool.state is Lifecycle.IDLE
         assert script.backends[0].interrupted == [0]  # the pool stopped rank 0's task
         assert pool.run(train) == [0, 10]  # the same ranks take the next task
         assert len(script.backends) == 1 and pool.restarts == 0
@@ -283,7 +283,7 @@ def test_a_pool_rank_that_ignores_the_interrupt_gets_fresh_ranks_and_says_so():
         assert isinstance(caught.value.__cause__, ValueError)
         assert script.clock.now() - t0 >= INTERRUPT_WAIT_S
         assert len(script.backends) == 2 and pool.restarts == 1
-        assert pool.state is PoolState.IDLE
+        assert pool.state is Lifecycle.IDLE
         assert pool.run(train) == [0, 1]  # on the fresh ranks
     finally:
         pool.close()
@@ -307,7 +307,7 @@ def test_a_pool_that_lost_a_rank_refuses_the_next_cell_at_once():
             model.handle(event)
         assert model.state(0) is RunState.STOPPED
         assert summary_bundle(model)["text/plain"].splitlines()[1] == "  rank 0: STOPPED · stopped"
-        assert pool.state is PoolState.BROKEN
+        assert pool.state is Lifecycle.BROKEN
         with pytest.raises(LaunchError, match="the pool cannot run cells"):
             pool.run(train)
     finally:

@@ -17,7 +17,8 @@ from conftest import Kernel
 from test_multinode import TwoNodes
 
 from nblaunch.errors import RankFailedError
-from nblaunch.notebook.pool import PoolState, current_pool
+from nblaunch.events import Lifecycle
+from nblaunch.notebook.pool import current_pool
 from nblaunch.ranks.namespace import rank_namespace
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -89,7 +90,7 @@ def test_a_pool_on_two_nodes_keeps_state_and_survives_failures_interrupts_restar
 
     with pytest.raises(ValueError, match="boom on rank 1"):  # the other node's own exception
         pool.run(_fail_on_rank_1)
-    assert pool.state is PoolState.IDLE
+    assert pool.state is Lifecycle.IDLE
     assert pool.run(_recall) == first  # same processes, same names
 
     began = time.monotonic()
@@ -97,7 +98,7 @@ def test_a_pool_on_two_nodes_keeps_state_and_survives_failures_interrupts_restar
     with pytest.raises(KeyboardInterrupt):
         pool.run(_sleep)  # both ranks sleep; the remote one is interrupted through the store
     assert time.monotonic() - began < 10
-    assert pool.state is PoolState.IDLE
+    assert pool.state is Lifecycle.IDLE
     assert pool.run(_recall) == first
 
     pool.restart()  # the joined node joins the new start by itself
@@ -121,7 +122,7 @@ def test_a_lost_node_fails_the_cell_at_once_and_the_pool_restarts_without_it(nod
     ) as failure:
         pool.run(_sleep)
     assert time.monotonic() - began < 15
-    assert pool.state is PoolState.BROKEN
+    assert pool.state is Lifecycle.BROKEN
     assert "The pool lost node 1" in "\n".join(getattr(failure.value, "__notes__", []))
     assert joiner.wait(10) != 0
 

@@ -19,8 +19,9 @@ from conftest import kernel_pool_pids, rank_children, wait_until
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
 from nblaunch.engine.pool.task_end import INTERRUPT_WAIT_S
+from nblaunch.events import Lifecycle
 from nblaunch.notebook import views
-from nblaunch.notebook.pool import Pool, PoolState, parse_ranks
+from nblaunch.notebook.pool import Pool, parse_ranks
 from nblaunch.notebook.pool_start import start_pool
 from nblaunch.notebook.views import RecordingView
 from nblaunch.ranks.namespace import rank_namespace
@@ -119,7 +120,7 @@ def test_state_and_process_group_persist_across_tasks(pool):
     assert pool.run(recall) == [10, 20]
     assert pool.run(all_reduce_sum) == [3.0, 3.0]
     assert pool.run(recall) == [10, 20]
-    assert pool.state is PoolState.IDLE
+    assert pool.state is Lifecycle.IDLE
     assert pool.run(os.getpid) == pids
 
 
@@ -183,7 +184,7 @@ def test_a_rank_exception_fails_the_task_and_the_pool_stays_usable(pool):
     with pytest.raises(ValueError, match="boom on one rank") as info:
         pool.run(boom)
     assert "raised on rank 1 of 2" in "\n".join(info.value.__notes__)
-    assert pool.state is PoolState.IDLE
+    assert pool.state is Lifecycle.IDLE
     assert pool.run(recall) == [3, 6]
 
 
@@ -251,7 +252,7 @@ def test_interrupt_stops_the_task_on_every_rank_and_keeps_the_pool(pool):
         pool.run(sleep_and_count, 30)
     assert time.monotonic() - began < 5.0
     assert "the pool is ready for the next cell" in "\n".join(info.value.__notes__)
-    assert pool.state is PoolState.IDLE
+    assert pool.state is Lifecycle.IDLE
     assert pool.pids == pids
     assert pool.run_on(0, entered) == [1]
     assert pool.run(recall) == [5, 10]  # state survived the interrupt
@@ -266,7 +267,7 @@ def test_a_task_timeout_stops_the_task_and_keeps_the_pool(pool):
     with pytest.raises(LaunchTimeoutError, match="timeout=0.5 s ran out"):
         pool.run_payload(serialize_payload(time.sleep, (30,)), timeout=0.5)
     assert time.monotonic() - began < 5.0
-    assert pool.state is PoolState.IDLE
+    assert pool.state is Lifecycle.IDLE
     assert pool.run(recall) == [4, 8]
 
 
@@ -310,7 +311,7 @@ def test_a_peer_stopped_while_it_still_sets_its_task_up_stops_as_its_code_starts
     with pytest.raises(ValueError, match="rank 1 fails at once"):
         pool.run(fail_on_rank_1_while_rank_0_waits)
     assert time.monotonic() - began < 1.0 + INTERRUPT_WAIT_S
-    assert pool.state is PoolState.IDLE and pool.restarts == 0 and pool.pids == old_pids
+    assert pool.state is Lifecycle.IDLE and pool.restarts == 0 and pool.pids == old_pids
 
 
 def test_an_interrupt_while_a_peer_waits_in_a_collective_keeps_the_names(pool):
@@ -327,7 +328,7 @@ def test_an_interrupt_while_a_peer_waits_in_a_collective_keeps_the_names(pool):
     assert "interrupted on rank(s) 0, 1" in notes
     assert "rank 0 issued torch.distributed.all_reduce" in notes and "names kept" in notes
     assert elapsed < 1.0 + INTERRUPT_WAIT_S, elapsed  # no wait for the pool's restart
-    assert pool.state is PoolState.IDLE and pool.restarts == 0 and pool.pids == old_pids
+    assert pool.state is Lifecycle.IDLE and pool.restarts == 0 and pool.pids == old_pids
     assert pool.run(recall) == [7, 14]
     assert pool.run(all_reduce_sum) == [3.0, 3.0]
 
@@ -358,7 +359,7 @@ def test_a_dead_rank_fails_the_task_and_the_next_one_fast(pool, how):
     assert (error.exitcode, error.signal) == ((3, None) if how == "exit" else (-9, 9))
     assert "going down" in str(error)
     assert "%dist restart" in "\n".join(error.__notes__)
-    assert pool.state is PoolState.BROKEN
+    assert pool.state is Lifecycle.BROKEN
     assert wait_until(lambda: not any(_alive(p) for p in pool.pids), timeout=5)
     began = time.monotonic()
     with pytest.raises(LaunchError, match="rank 1 .*%dist restart"):
@@ -375,7 +376,7 @@ def test_a_rank_killed_between_tasks_is_reported_on_the_next_task(pool):
     # itself sees the death; either way the cause is named and nothing hangs.
     with pytest.raises((LaunchError, RankFailedError), match="rank 0 .*SIGKILL"):
         pool.run(recall)
-    assert pool.state is PoolState.BROKEN
+    assert pool.state is Lifecycle.BROKEN
     with pytest.raises(LaunchError, match="rank 0 .*SIGKILL.*%dist restart"):
         pool.run(recall)
 
@@ -402,7 +403,7 @@ def test_context_manager_and_restart_keep_the_options():
         pool.restart()
         assert set(pool.pids).isdisjoint(first)
         assert pool.run(lambda: nblaunch.ranks.this_rank.current().debug) == [True, True]
-    assert pool.state is PoolState.CLOSED
+    assert pool.state is Lifecycle.CLOSED
     assert not any(_alive(pid) for pid in pool.pids)
 
 

@@ -14,7 +14,7 @@ from conftest import rank_children, wait_until
 
 from nblaunch import PoolRestartedError
 from nblaunch.engine.monitors.collective_checks import owed_calls
-from nblaunch.notebook.pool import PoolState
+from nblaunch.events import Lifecycle
 from nblaunch.notebook.pool_start import start_pool
 from nblaunch.ranks.checks.debug_report import DDP_ALL_REDUCE
 from nblaunch.ranks.namespace import rank_namespace
@@ -121,7 +121,7 @@ def test_a_peer_waiting_in_each_collective_is_released_and_keeps_its_names(pool)
         took = time.monotonic() - began
         notes = "\n".join(info.value.__notes__)
         assert "rank 0 issued" in notes and "which rank 1 waited in" in notes, (op, notes)
-        assert pool.state is PoolState.IDLE and pool.pids == pids, op
+        assert pool.state is Lifecycle.IDLE and pool.pids == pids, op
         assert pool.run(check_the_names_and_a_collective) == [("Linear", 3.0)] * 2, op
         if took > 2.0:
             slow.append((op, round(took, 2)))
@@ -176,7 +176,7 @@ def test_a_peer_in_ddps_backward_is_released_once_the_model_took_its_first_step(
     with pytest.raises(RuntimeError, match="rank 0 leaves before backward") as info:
         pool.run(ddp_step_with_rank_0_leaving)
     assert "rank 0 issued DDP's backward all-reduce" in "\n".join(info.value.__notes__)
-    assert pool.state is PoolState.IDLE
+    assert pool.state is Lifecycle.IDLE
     grads = pool.run(ddp_step)
     assert grads[0] == grads[1]  # both ranks all-reduced the same buckets again
     assert pool.run(check_the_names_and_a_collective) == [("Linear", 3.0)] * 2
@@ -217,7 +217,7 @@ def test_a_peer_nothing_can_release_gets_the_pool_restarted_and_the_error_says_s
     assert "no collective call the checks recorded holds rank(s) 1: a point-to-point" in first
     assert "The cell's own error is above: ValueError: rank 0 leaves the recv" in str(info.value)
     assert isinstance(info.value.__cause__, ValueError)
-    assert pool.state is PoolState.IDLE and set(pool.pids).isdisjoint(old)
+    assert pool.state is Lifecycle.IDLE and set(pool.pids).isdisjoint(old)
     assert wait_until(lambda: not any(p.pid in old for p in rank_children()), timeout=5)
     with pytest.raises(KeyError):
         pool.run(check_the_names_and_a_collective)  # as the error said: no model any more

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
-from nblaunch.engine.background.background_run import RUNNING, state_of, stopped_error
+from nblaunch.engine.background.background_run import state_of, stopped_error
 from nblaunch.engine.background.event_hub import EventHub
 from nblaunch.engine.detached import host_files
 from nblaunch.engine.detached import registry as detached
 from nblaunch.engine.plan.run_dirs import RunLease
 from nblaunch.engine.run.run import Run
+from nblaunch.events import Lifecycle
 from nblaunch.host.outcome import pickled, write_private
 from nblaunch.host.serve import StreamServer
 
@@ -80,7 +81,7 @@ def run_detached(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
         kind=launch["kind"],
         started_at=time.time(),
         world_size=plan.world_size,
-        state=RUNNING,
+        state=Lifecycle.RUNNING,
         function=launch.get("function", ""),
     )
     signal.signal(signal.SIGTERM, lambda *_: run.request_stop())

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
-from nblaunch.engine.background.background_run import RUNNING, STOPPED
 from nblaunch.engine.detached import host_files, pool_holder, wire
 from nblaunch.engine.detached import registry as detached
 from nblaunch.engine.plan.run_dirs import RunLease
@@ -52,7 +51,7 @@ from nblaunch.engine.pool.messages import (
     WAIT,
 )
 from nblaunch.engine.pool.pool_engine import PoolEngine
-from nblaunch.events import Event
+from nblaunch.events import Event, Lifecycle
 from nblaunch.host.outcome import pickled, write_private
 
 # How long a notebook that connected may take to say who it is.
@@ -77,7 +76,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
         kind="pool",
         started_at=time.time(),
         world_size=0,
-        state=RUNNING,
+        state=Lifecycle.RUNNING,
     )
     try:
         pool.start()
@@ -106,7 +105,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     finally:
         pool.close()
         server.close()
-    entry.state = STOPPED if why in ("stopped", "idle") else "done"
+    entry.state = Lifecycle.STOPPED if why in ("stopped", "idle") else Lifecycle.DONE
     entry.write()
     print(f"pool host {os.getpid()}: the pool ended ({why})", flush=True)
     return 0

@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine.background.background_run import RUNNING
 from nblaunch.engine.detached import host_files, pool_holder, wire
 from nblaunch.engine.detached import registry as detached
 from nblaunch.engine.plan.run_dirs import is_live
 from nblaunch.errors import LaunchError
+from nblaunch.events import Lifecycle
 from nblaunch.lab.summary import RunSummary, from_files
 
 # Where runs of a kernel leave their directories, relative to the root folder (the default
@@ -170,8 +170,8 @@ class RunsIndex:
             "pid": entry.pid,
             "function": entry.function,
             "started": entry.started_at,
-            "ended": self._ended_at(entry.run_dir) if state != RUNNING else None,
-            "holder": _holder(entry) if state == RUNNING else None,
+            "ended": self._ended_at(entry.run_dir) if state != Lifecycle.RUNNING else None,
+            "holder": _holder(entry) if state == Lifecycle.RUNNING else None,
         }
 
     def _dir_record(self, run_dir: Path) -> dict[str, Any]:
@@ -194,7 +194,7 @@ class RunsIndex:
         history = run_dir / host_files.HISTORY_FILE
         summary = self.summary_of(None, run_dir) if history.exists() else None
         if live:
-            state = RUNNING
+            state = Lifecycle.RUNNING
         elif summary is not None and summary.ended is not None:
             state = "done" if summary.ended["ok"] else "failed"
         else:
@@ -236,7 +236,9 @@ class RunsIndex:
         """The run's picture: live from its host while it goes, else from its directory."""
         with self._lock:
             watch = self._watches.get(entry.run_id) if entry else None
-            live = entry is not None and entry.kind == "run" and entry.live_state == RUNNING
+            live = (
+                entry is not None and entry.kind == "run" and entry.live_state == Lifecycle.RUNNING
+            )
             if watch is None and live:
                 assert entry is not None
                 with contextlib.suppress(OSError):
@@ -307,9 +309,9 @@ class RunsIndex:
             return None
         entry = found[0]
         if entry is None:
-            state = RUNNING if is_live(found[1]) else "ended"
+            state = Lifecycle.RUNNING if is_live(found[1]) else "ended"
             return {"stopped": False, "state": state, "why": _KERNEL_RUN}
-        if entry.live_state != RUNNING or not _host_is_ours(entry.pid):
+        if entry.live_state != Lifecycle.RUNNING or not _host_is_ours(entry.pid):
             return {"stopped": False, "state": entry.live_state}  # ended, or ending
         return {"stopped": detached.stop_host(entry), "state": entry.live_state}
 

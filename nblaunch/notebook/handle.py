@@ -20,14 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine.background.background_run import LOST, RUNNING, BackgroundRun, RunControl
+from nblaunch.engine.background.background_run import BackgroundRun, RunControl
 from nblaunch.engine.background.event_hub import EventHub
 from nblaunch.engine.detached import attached
 from nblaunch.engine.detached import registry as detached
 from nblaunch.engine.plan.launch_plan import LaunchPlan
 from nblaunch.engine.processes import spares
 from nblaunch.engine.run.run import Run
-from nblaunch.events import EventSink
+from nblaunch.events import EventSink, Lifecycle
 
 # Handles of this kernel's background and detached runs, oldest first; past MAX_REMEMBERED the
 # oldest ended ones are forgotten (each keeps its run's history for views).
@@ -90,7 +90,7 @@ class RunHandle:
 
     def done(self) -> bool:
         """True once the run ended (whatever its outcome)."""
-        return self._control.state != RUNNING
+        return self._control.state != Lifecycle.RUNNING
 
     def result(self, timeout: float | None = None) -> Any:
         """Wait for the run and return each rank's value (a cell's: its result).
@@ -147,7 +147,7 @@ class RunHandle:
         _retire_view(self.id)
         control = self._control
         control.watch(shown)
-        if control.state == RUNNING:
+        if control.state == Lifecycle.RUNNING:
             _live_views[self.id] = (control, shown)
 
     def watch(self, sink: EventSink) -> None:
@@ -194,7 +194,7 @@ def launch_in_background(
 def _retire_view(run_id: str) -> None:
     """Stop the view ``.view()`` last showed of ``run_id``; forget views of ended runs."""
     for key, (control, _) in list(_live_views.items()):
-        if control.state != RUNNING:
+        if control.state != Lifecycle.RUNNING:
             del _live_views[key]
     old = _live_views.pop(run_id, None)
     if old is None:
@@ -260,7 +260,7 @@ def attach(run_id: str | None = None) -> RunHandle:
     entry = detached.find(run_id, kind="run")
     for handle in list(_kernel_runs):
         if _same_run(handle, entry):
-            if handle.state != LOST:
+            if handle.state != Lifecycle.LOST:
                 return handle  # one handle per run: runs() lists it once
             _kernel_runs.remove(handle)  # lost to this kernel (its host gone?): read it again
     handle = RunHandle(attached.AttachedRun(entry), detached=True)

@@ -40,10 +40,9 @@ from typing import Any
 from nblaunch.engine.clock import REAL_CLOCK, Clock
 from nblaunch.engine.plan.launch_plan import serialize_payload
 from nblaunch.engine.pool.pool_engine import START_TIMEOUT_S
-from nblaunch.engine.pool.status import PoolState
 from nblaunch.engine.processes.backend import BackendFactory, ProcessBackend
 from nblaunch.errors import LaunchError
-from nblaunch.events import EventSink
+from nblaunch.events import EventSink, Lifecycle
 from nblaunch.notebook.pool_tasks import (
     PushedNames,
     describe_cell,
@@ -67,7 +66,7 @@ _atexit_registered = False
 
 def current_pool() -> Pool | None:
     """The running pool of this kernel (also a broken one, so cells can say so), else ``None``."""
-    if _current is not None and _current.state is not PoolState.CLOSED:
+    if _current is not None and _current.state is not Lifecycle.CLOSED:
         return _current
     return None
 
@@ -249,19 +248,19 @@ class Pool:
         _let_go(self)
 
     def __enter__(self) -> Pool:
-        return self.start() if self.state is PoolState.CLOSED else self
+        return self.start() if self.state is Lifecycle.CLOSED else self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __del__(self) -> None:  # a forgotten pool of this kernel's still stops its ranks
         with contextlib.suppress(Exception):
-            if self.state is not PoolState.CLOSED and not self.transport.detached:
+            if self.state is not Lifecycle.CLOSED and not self.transport.detached:
                 self.close()
 
     # --- what the transport knows ----------------------------------------------------------------
 
-    state = _transports("state", "The pool's state (:class:`PoolState`).")
+    state = _transports("state", "The pool's state (:class:`Lifecycle`).")
     problem = _transports("problem", "Why the pool is broken.")
     world_size = _transports("world_size", "Number of ranks (0 before the first start).")
     pids = _transports("pids", "Process ids of the ranks, by rank (of the last start).")

@@ -47,10 +47,9 @@ from nblaunch.engine.pool.messages import (
     WAIT,
 )
 from nblaunch.engine.pool.pool_engine import START_TIMEOUT_S
-from nblaunch.engine.pool.status import PoolState
 from nblaunch.engine.pool.task_end import TaskGuard
 from nblaunch.errors import LaunchError
-from nblaunch.events import EventSink
+from nblaunch.events import EventSink, Lifecycle
 from nblaunch.options import LaunchOptions
 
 # A detached pool with no cell for this long ends, and its host with it.
@@ -85,7 +84,7 @@ class HostPool:
         self.options = options
         self.start_timeout = start_timeout
         self.idle_limit = float(idle_limit)
-        self.state = PoolState.CLOSED
+        self.state = Lifecycle.CLOSED
         self.problem = ""
         self.start_s = 0.0
         self.restarts = 0
@@ -172,12 +171,12 @@ class HostPool:
     def _take_info(self, info: dict[str, Any]) -> None:
         self._info = info
         self.started_at = info["started_at"]
-        self.state = PoolState(info["state"])
+        self.state = Lifecycle(info["state"])
         self.problem = info.get("problem", "")
 
     def close(self) -> None:
         """End the pool and its host; safe to call twice."""
-        if self.state is PoolState.CLOSED or self._sock is None:
+        if self.state is Lifecycle.CLOSED or self._sock is None:
             return
         self._check_connection()
         with contextlib.suppress(OSError):
@@ -187,13 +186,13 @@ class HostPool:
         deadline = time.monotonic() + 15.0
         while detached.host_alive(self.entry.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.state = PoolState.CLOSED
+        self.state = Lifecycle.CLOSED
 
     def restart(self, num_nodes: int | None = None) -> HostPool:
         """Fresh ranks, in the same host."""
         if num_nodes is not None:
             raise LaunchError("num_nodes: a detached pool runs on this machine only")
-        if self.state is not PoolState.CLOSED and self._sock is not None:
+        if self.state is not Lifecycle.CLOSED and self._sock is not None:
             self._check_connection()
             info = self._ask(RESTART, INFO)
             self._take_info(info)
@@ -205,7 +204,7 @@ class HostPool:
     def detach(self) -> None:
         """Let go of the pool, which goes on; ``attach_pool()`` gets it back."""
         self._disconnect()
-        self.state = PoolState.CLOSED  # closed here, not there
+        self.state = Lifecycle.CLOSED  # closed here, not there
 
     def _disconnect(self) -> None:
         if self._sock is not None:
@@ -333,7 +332,7 @@ class HostPool:
         else:
             why = self._gone_reason()
         self._disconnect()
-        self.state = PoolState.CLOSED
+        self.state = Lifecycle.CLOSED
         after = " during the cell" if during_cell else ""
         raise LaunchError(
             f"{why}{after}. %%distributed cells here launch fresh ranks again; "
@@ -358,10 +357,10 @@ class HostPool:
         )
 
     def _check_usable(self) -> None:
-        if self.state is PoolState.CLOSED or self._sock is None:
+        if self.state is Lifecycle.CLOSED or self._sock is None:
             raise LaunchError("the detached pool is not attached here: %dist attach")
         self._check_connection()
-        if self.state is PoolState.BROKEN:
+        if self.state is Lifecycle.BROKEN:
             raise LaunchError(
                 f"the pool cannot run cells: {self.problem}. Run %dist restart for fresh ranks, "
                 "or %dist stop."

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nblaunch.engine.pool.status import PoolState
 from nblaunch.errors import LaunchError
+from nblaunch.events import Lifecycle
 from nblaunch.notebook.pool import Pool, current_pool
 from nblaunch.notebook.pool_detached import HostPool
 
@@ -52,7 +52,7 @@ def attach_pool(run_id: str | None = None, take_over: bool = False) -> Pool:
     """
     current = current_pool()
     if current is not None:
-        if current.transport.detached and current.state is not PoolState.CLOSED:
+        if current.transport.detached and current.state is not Lifecycle.CLOSED:
             return current
         raise LaunchError(f"a pool is already running here: {current.describe()}")
     pool = Pool(transport=HostPool.attach(run_id, take_over))

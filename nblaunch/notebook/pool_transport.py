@@ -7,10 +7,9 @@ from typing import Any, Protocol
 
 from nblaunch.engine.clock import REAL_CLOCK, Clock
 from nblaunch.engine.pool.pool_engine import PoolEngine
-from nblaunch.engine.pool.status import PoolState
 from nblaunch.engine.processes.backend import BackendFactory, ProcessBackend
 from nblaunch.errors import LaunchError
-from nblaunch.events import EventSink
+from nblaunch.events import EventSink, Lifecycle
 from nblaunch.notebook.pool_detached import DEFAULT_IDLE_LIMIT_S, HostPool
 from nblaunch.options import LaunchOptions, NodeOptions
 
@@ -23,7 +22,7 @@ class PoolTransport(Protocol):
     host (:class:`~nblaunch.notebook.pool_detached.HostPool`)."""
 
     detached: bool  # the ranks live under a host of their own and outlive this kernel
-    state: PoolState
+    state: Lifecycle
     problem: str
     num_processes: int | None
     options: LaunchOptions

@@ -28,10 +28,9 @@ from nblaunch import tracebacks
 from nblaunch.engine.background.event_hub import EventHub
 from nblaunch.engine.run.run import Run
 from nblaunch.errors import RunStoppedError
-from nblaunch.events import EventSink
+from nblaunch.events import EventSink, Lifecycle
 
 # What ``RunControl.state`` says.
-RUNNING, DONE, FAILED, STOPPED, LOST = "running", "done", "failed", "stopped", "lost"
 # What Python's exit does with a background run still going: wait for it, or stop it.
 WAIT, STOP = "wait", "stop"
 # How long Python's exit waits for a stopped run to end (the ranks' grace period and more).
@@ -46,7 +45,7 @@ class RunControl(Protocol):
     run_dir: Path | None
 
     @property
-    def state(self) -> str:
+    def state(self) -> Lifecycle:
         """``running``, ``done``, ``failed``, ``stopped`` (or ``lost``: its host vanished)."""
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -65,11 +64,11 @@ class RunControl(Protocol):
         """The values by rank, or raise what a blocking launch would have raised."""
 
 
-def state_of(error: BaseException | None) -> str:
+def state_of(error: BaseException | None) -> Lifecycle:
     """The state of a run that ended with ``error`` (None: every rank returned)."""
     if error is None:
-        return DONE
-    return STOPPED if isinstance(error, RunStoppedError) else FAILED
+        return Lifecycle.DONE
+    return Lifecycle.STOPPED if isinstance(error, RunStoppedError) else Lifecycle.FAILED
 
 
 def stopped_error(run_dir: Path | None) -> RunStoppedError:
@@ -175,8 +174,8 @@ class BackgroundTask:
                 self._after()
 
     @property
-    def state(self) -> str:
-        return state_of(self._error) if self._done.is_set() else RUNNING
+    def state(self) -> Lifecycle:
+        return state_of(self._error) if self._done.is_set() else Lifecycle.RUNNING
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch import tracebacks
-from nblaunch.engine.background.background_run import LOST, RUNNING, state_of
+from nblaunch.engine.background.background_run import state_of
 from nblaunch.engine.background.event_hub import EventHub
 from nblaunch.engine.detached import wire
 from nblaunch.engine.detached.host_files import HISTORY_FILE, RESULT_FILE
 from nblaunch.engine.detached.lost_runs import lost_run_events, lost_why
 from nblaunch.engine.detached.registry import Entry, host_alive, stop_host
 from nblaunch.errors import RankFailedError
-from nblaunch.events import Event, EventSink
+from nblaunch.events import Event, EventSink, Lifecycle
 
 # How long attaching to an ended run whose host holds its outcome waits for it.
 HELD_OUTCOME_WAIT_S = 10.0
@@ -70,7 +70,7 @@ class AttachedRun:
         self._links: dict[int, AttachedRun] = {}  # each watching view's own connection
         if view is not None:
             self.hub.watch(view)
-        ended = entry.state != RUNNING
+        ended = entry.state != Lifecycle.RUNNING
         on_disk = ended and (entry.run_dir / RESULT_FILE).exists()
         if host_alive(entry.pid) and not on_disk:  # going, or ended and its host holds the outcome
             try:
@@ -202,11 +202,11 @@ class AttachedRun:
         return {"error": RankFailedError(message, rank=0, world_size=self.entry.world_size)}
 
     @property
-    def state(self) -> str:
+    def state(self) -> Lifecycle:
         if not self._done.is_set():
-            return RUNNING
+            return Lifecycle.RUNNING
         assert self._outcome is not None
-        return LOST if self._outcome.get("lost") else state_of(self._outcome.get("error"))
+        return Lifecycle.LOST if self._outcome.get("lost") else state_of(self._outcome.get("error"))
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine.background.background_run import LOST, RUNNING
 from nblaunch.engine.detached.host_files import (
     HOST_LOG,
     LAUNCH_FILE,
@@ -37,9 +36,9 @@ from nblaunch.engine.detached.host_files import (
 from nblaunch.engine.plan.launch_plan import LaunchPlan
 from nblaunch.engine.plan.run_dirs import RunLease
 from nblaunch.errors import LaunchError
+from nblaunch.events import Lifecycle
 
 # The state of an entry whose host is being started (its id is taken).
-STARTING = "starting"
 # How long the host may take to start (it imports torch and starts a forkserver).
 HOST_START_LIMIT_S = 60.0
 
@@ -81,7 +80,7 @@ class Entry:
     kind: str  # "run" or "pool"
     started_at: float
     world_size: int
-    state: str
+    state: Lifecycle
     function: str = ""
     start_limit_s: float = HOST_START_LIMIT_S  # a pool's host starts its ranks first
 
@@ -90,6 +89,7 @@ class Entry:
         try:
             data = json.loads(path.read_text())
             data["run_dir"] = Path(data["run_dir"])
+            data["state"] = Lifecycle(data["state"])
             return cls(**data)
         except (OSError, ValueError, TypeError, KeyError):
             return None  # half written, or not ours
@@ -106,12 +106,12 @@ class Entry:
         os.replace(partial, path)
 
     @property
-    def live_state(self) -> str:
+    def live_state(self) -> Lifecycle:
         """The state, with a host that died without saying so as ``lost``."""
-        if self.state == RUNNING and not host_alive(self.pid):
-            return LOST
-        if self.state == STARTING and time.time() - self.started_at > self.start_limit_s:
-            return LOST  # the kernel that claimed the id died before its host started
+        if self.state == Lifecycle.RUNNING and not host_alive(self.pid):
+            return Lifecycle.LOST
+        if self.state == Lifecycle.STARTING and time.time() - self.started_at > self.start_limit_s:
+            return Lifecycle.LOST  # the kernel that claimed the id died before its host started
         return self.state
 
 
@@ -153,7 +153,7 @@ def find(run_id: str | None, kind: str | None = None) -> Entry:
     known = [e for e in entries() if kind is None or e.kind == kind]
     what = {"pool": "detached pool", "run": "detached run"}.get(kind or "", "detached run")
     if run_id is None:
-        live = [e for e in known if e.live_state == RUNNING]
+        live = [e for e in known if e.live_state == Lifecycle.RUNNING]
         if not live:
             raise LaunchError(
                 f"no {what} is going on this machine; nblaunch.runs() (or the command "
@@ -189,7 +189,9 @@ def claim_id(run_dir: Path, kind: str, start_limit_s: float = HOST_START_LIMIT_S
                 return run_id
             continue
         os.close(fd)
-        Entry(run_id, run_dir, 0, "", kind, time.time(), 0, STARTING, "", start_limit_s).write()
+        Entry(
+            run_id, run_dir, 0, "", kind, time.time(), 0, Lifecycle.STARTING, "", start_limit_s
+        ).write()
         return run_id
     raise AssertionError("unreachable")
 
@@ -275,7 +277,7 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
 def _free_id(entry_path: Path) -> None:
     """Give back an id claimed for a host that did not start."""
     left = Entry.read(entry_path)
-    if left is not None and left.state == STARTING:
+    if left is not None and left.state == Lifecycle.STARTING:
         entry_path.unlink(missing_ok=True)
 
 

@@ -15,17 +15,16 @@ import contextlib
 import time
 from typing import Any, Protocol
 
-from nblaunch.engine.background.background_run import RUNNING, BackgroundTask
+from nblaunch.engine.background.background_run import BackgroundTask
 from nblaunch.engine.clock import REAL_CLOCK, Clock
 from nblaunch.engine.plan.launch_plan import plan_launch, serialize_payload
 from nblaunch.engine.pool import status as pool_status
-from nblaunch.engine.pool.status import PoolState
 from nblaunch.engine.pool.task_end import INTERRUPT_WAIT_S, AfterTask, run_task
 from nblaunch.engine.processes.backend import BackendFactory, ProcessBackend
 from nblaunch.engine.processes.supervisor import reap_let_go
 from nblaunch.engine.run.run import Run
 from nblaunch.errors import LaunchError, describe_exit
-from nblaunch.events import EventSink, NullView
+from nblaunch.events import EventSink, Lifecycle, NullView
 from nblaunch.options import LaunchOptions
 from nblaunch.ranks import namespace
 
@@ -83,7 +82,7 @@ class PoolEngine:
         self.backend = backend
         self.clock = clock
         self.start_timeout = start_timeout
-        self.state = PoolState.CLOSED
+        self.state = Lifecycle.CLOSED
         self.problem = ""  # why the pool is broken
         self.started_at = 0.0
         self.start_s = 0.0  # how long the last start took
@@ -109,13 +108,13 @@ class PoolEngine:
         Exception
             A rank's own exception when it failed to start.
         """
-        if self.state is not PoolState.CLOSED:
+        if self.state is not Lifecycle.CLOSED:
             raise LaunchError(f"this pool is already {self.state.value}; close() it first")
         if self.nodes is None:
             plan = plan_launch(_pool_task, self.num_processes, self.options)
         else:
             plan = self.nodes.plan(_pool_task, self.num_processes, self.options)
-        self.state = PoolState.STARTING
+        self.state = Lifecycle.STARTING
         self.problem = ""
         began = time.monotonic()
         self.engine = None
@@ -125,12 +124,12 @@ class PoolEngine:
             run.await_started(self.start_timeout)
         except BaseException:
             self._shut_down(grace=1.0)
-            self.state = PoolState.CLOSED
+            self.state = Lifecycle.CLOSED
             raise
         self.start_s = time.monotonic() - began
         self._pids = [rank.pid for rank in run.backend.ranks]
         self.started_at = time.time()
-        self.state = PoolState.IDLE
+        self.state = Lifecycle.IDLE
         return self
 
     def close(self) -> None:
@@ -156,22 +155,22 @@ class PoolEngine:
         return self.start()
 
     def _close(self, rejoin: bool) -> None:
-        if self.state is PoolState.CLOSED:
+        if self.state is Lifecycle.CLOSED:
             return
-        if self.background is not None and self.background.state == RUNNING:
+        if self.background is not None and self.background.state == Lifecycle.RUNNING:
             self.background.stop()  # interrupt the task first, as the interrupt button would
             self.background.wait(INTERRUPT_WAIT_S + 5.0)
         run = self.engine
-        if run is not None and self.state is PoolState.IDLE:
+        if run is not None and self.state is Lifecycle.IDLE:
             run.hang_up(limit_s=3.0)
         self._shut_down(grace=1.0, rejoin=rejoin)
         if not rejoin and self.nodes is not None:
             self.nodes.end_joins()
         reap_let_go(wait=True)  # closed means gone: their memory is free again
-        self.state = PoolState.CLOSED
+        self.state = Lifecycle.CLOSED
 
     def __enter__(self) -> PoolEngine:
-        if self.state is PoolState.CLOSED:
+        if self.state is Lifecycle.CLOSED:
             self.start()
         return self
 
@@ -180,7 +179,7 @@ class PoolEngine:
 
     def __del__(self) -> None:  # a forgotten pool still stops its ranks
         with contextlib.suppress(Exception):
-            if self.state is not PoolState.CLOSED:
+            if self.state is not Lifecycle.CLOSED:
                 self.close()
 
     # --- one task at a time --------------------------------------------------------------------
@@ -238,7 +237,7 @@ class PoolEngine:
     def reserve(self, description: str) -> None:
         """Hold the pool for a task that starts on a thread soon (``--bg``): no other cell slips
         in before it; :meth:`run_task` on that thread then runs it."""
-        self.state = PoolState.BUSY
+        self.state = Lifecycle.BUSY
         self.current_task = description or "a task"
 
     def run_task(
@@ -253,7 +252,7 @@ class PoolEngine:
         """Run one task on ``task_ranks`` (from :meth:`task_ranks`), its events to ``view``."""
         run = self.engine
         self._task_id += 1
-        self.state = PoolState.BUSY
+        self.state = Lifecycle.BUSY
         self.current_task = description or "a task"
         try:
             report = run_task(
@@ -273,10 +272,10 @@ class PoolEngine:
             elif report.end.after is AfterTask.RESTART:
                 self._replace_ranks()
             else:
-                self.state = PoolState.IDLE
+                self.state = Lifecycle.IDLE
         finally:
             self.current_task = ""
-            if self.state is PoolState.BUSY:  # the task did not end cleanly: trust no rank
+            if self.state is Lifecycle.BUSY:  # the task did not end cleanly: trust no rank
                 self._break("a task did not end cleanly (see the error above)")
         self.tasks_run += 1
         if report.raises:
@@ -314,7 +313,7 @@ class PoolEngine:
         device memory and the names earlier cells defined.
         """
         rank_info: dict[int, dict[str, Any]] = {}
-        if self.state is PoolState.IDLE:
+        if self.state is Lifecycle.IDLE:
             with contextlib.suppress(Exception):
                 payload = serialize_payload(namespace.rank_info)
                 ranks = self.task_ranks(None)
@@ -328,7 +327,7 @@ class PoolEngine:
 
     def status_text(self) -> str:
         """What ``%dist status`` prints."""
-        rows = self.status() if self.state is not PoolState.CLOSED else []
+        rows = self.status() if self.state is not Lifecycle.CLOSED else []
         return pool_status.status_text(self, rows)
 
     # --- internals -------------------------------------------------------------------------------
@@ -341,23 +340,23 @@ class PoolEngine:
 
     def _check_usable(self) -> None:
         """Raise ``LaunchError`` unless the pool can take a task now."""
-        if self.state is PoolState.CLOSED:
+        if self.state is Lifecycle.CLOSED:
             raise LaunchError(
                 "the pool is stopped; start one with %dist start -n N or nblaunch.start_pool(N)"
             )
-        if self.background is not None and self.background.state == RUNNING:
+        if self.background is not None and self.background.state == Lifecycle.RUNNING:
             raise LaunchError(
                 f"the pool is busy with a background cell ({self.current_task}): %dist wait "
                 "for it, or stop it with nblaunch.runs()[0].stop(); its names stay"
             )
-        if self.state in (PoolState.STARTING, PoolState.BUSY):
+        if self.state in (Lifecycle.STARTING, Lifecycle.BUSY):
             raise LaunchError(f"the pool is busy: {self.describe()}")
-        if self.state is PoolState.IDLE:  # a rank may have died since the last task
+        if self.state is Lifecycle.IDLE:  # a rank may have died since the last task
             dead = self.engine.backend.reap()
             if dead:
                 words, _ = describe_exit(dead[0].exitcode)
                 self._break(f"rank {dead[0].rank} (pid {dead[0].pid}) {words} between cells")
-        if self.state is PoolState.BROKEN:
+        if self.state is Lifecycle.BROKEN:
             raise LaunchError(
                 f"the pool cannot run cells: {self.problem}. Run %dist restart (or "
                 "pool.restart()) for fresh ranks, whose names from earlier cells are gone; "
@@ -374,17 +373,17 @@ class PoolEngine:
         """A rank died: stop the others (their process group is broken) and remember why."""
         self.problem = problem
         self._shut_down(grace=1.0, close_pipes=False)
-        self.state = PoolState.BROKEN
+        self.state = Lifecycle.BROKEN
 
     def _replace_ranks(self) -> None:
         """Restart ranks that could not be stopped politely (the caller tells the person)."""
         self._shut_down(grace=1.0)
-        self.state = PoolState.CLOSED
+        self.state = Lifecycle.CLOSED
         self.restarts += 1
         try:
             self.start()
         except Exception as exc:  # the task's error carries the note; the pool says why
-            self.state = PoolState.BROKEN
+            self.state = Lifecycle.BROKEN
             self.problem = f"restarting the ranks failed: {type(exc).__name__}: {exc}"
 
     def _shut_down(self, grace: float, close_pipes: bool = True, rejoin: bool = True) -> None:

@@ -8,27 +8,17 @@ the other way round).
 from __future__ import annotations
 
 import contextlib
-import enum
 import time
 from typing import Any, Protocol
 
 from nblaunch.engine.run.run import Run
-
-
-class PoolState(str, enum.Enum):
-    """Lifecycle of a pool, as ``%dist status`` shows it."""
-
-    STARTING = "starting"
-    IDLE = "idle"
-    BUSY = "busy"
-    BROKEN = "broken"  # a rank died: only restart or stop help
-    CLOSED = "closed"
+from nblaunch.events import Lifecycle
 
 
 class PoolFacts(Protocol):
     """What the status of a pool is made from."""
 
-    state: PoolState
+    state: Lifecycle
     problem: str
     engine: Run | None
     nodes: Any
@@ -61,9 +51,9 @@ def describe(pool: PoolFacts) -> str:
         f"({plan.start_method}{', debug' if plan.debug else ''}; pids{pids_here} {pids}), "
         f"{pool.state.value}"
     )
-    if pool.state is PoolState.BUSY:
+    if pool.state is Lifecycle.BUSY:
         text += f" running {pool.current_task}"
-    if pool.state is PoolState.BROKEN:
+    if pool.state is Lifecycle.BROKEN:
         text += f": {pool.problem}"
     return text
 
@@ -74,7 +64,7 @@ def status(pool: PoolFacts, rank_info: dict[int, dict[str, Any]]) -> list[dict[s
     import psutil
 
     rows: list[dict[str, Any]] = []
-    if pool.engine is None or pool.state is PoolState.CLOSED:
+    if pool.engine is None or pool.state is Lifecycle.CLOSED:
         return rows
     local = {process.rank: process.pid for process in pool.engine.backend.ranks}
     for rank in range(pool.world_size):
@@ -93,7 +83,7 @@ def status(pool: PoolFacts, rank_info: dict[int, dict[str, Any]]) -> list[dict[s
         if not row["alive"]:
             row["state"] = "dead"
         else:
-            row["state"] = "idle" if pool.state is PoolState.IDLE else pool.state.value
+            row["state"] = "idle" if pool.state is Lifecycle.IDLE else pool.state.value
         row.update(info)
         rows.append(row)
     return rows
@@ -101,7 +91,7 @@ def status(pool: PoolFacts, rank_info: dict[int, dict[str, Any]]) -> list[dict[s
 
 def status_text(pool: PoolFacts, rows: list[dict[str, Any]]) -> str:
     """What ``%dist status`` prints, with the rows of :func:`status`."""
-    if pool.state is PoolState.CLOSED:
+    if pool.state is Lifecycle.CLOSED:
         return "nblaunch pool: stopped; %dist start -n N starts one"
     lines = [f"nblaunch pool: {pool.describe()}, up {_seconds(time.time() - pool.started_at)}"]
     lines.append(
@@ -121,7 +111,7 @@ def status_text(pool: PoolFacts, rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"  rank {row['rank']}{where}: pid {row['pid']}, {row['state']}, {memory}{defined}"
         )
-    if pool.state is PoolState.BROKEN:
+    if pool.state is Lifecycle.BROKEN:
         lines.append("  run %dist restart for fresh ranks, or %dist stop")
     return "\n".join(lines)
 
