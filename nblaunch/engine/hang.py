@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nblaunch import tracebacks
 from nblaunch.engine import deadlock
 from nblaunch.engine.beats import Beat
 from nblaunch.engine.monitor import RunContext
@@ -392,6 +393,8 @@ class HangMonitor:
         else:
             stacks = {r: cell_names(text) for r, text in stacks.items()}
             exception = DistributedHangError(cell_names(full), stacks=stacks)
+            waiting = [r for r in self._running(run) if self.beats[r].in_collective]
+            tracebacks.at_user_frames(exception, _user_frames(self.beats, [rank, *waiting]))
         return RootCause(Cause.HANG, rank, headline, exception=exception, title=headline)
 
     # --- stragglers ------------------------------------------------------------------------------
@@ -399,6 +402,16 @@ class HangMonitor:
     def _publish_straggler(self, run: RunContext, *, final: bool) -> None:
         beats = {rank: beat.event for rank, beat in self.beats.items()}
         self.stragglers.publish(run, beats, final=final)
+
+
+def _user_frames(beats: dict[int, Beat], ranks: list[int]) -> list[tuple[str, int, str]]:
+    """The user's frames where the first of ``ranks`` with a stack stands: the traceback."""
+    for rank in ranks:
+        beat = beats.get(rank)
+        frames = tracebacks.user_frames_of_stack(beat.event["stack"]) if beat else []
+        if frames:
+            return frames
+    return []
 
 
 def _ranks(ranks: list[int]) -> str:
