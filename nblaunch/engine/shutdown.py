@@ -7,6 +7,7 @@ names (a multi-node run adds its other nodes around them).
 
 from __future__ import annotations
 
+import signal
 from typing import TYPE_CHECKING
 
 from nblaunch.engine import checks, verdict
@@ -51,6 +52,9 @@ def finish(run: Run) -> None:
                 run.set_state(rank, RunState.DONE)
             run.hang_up(limit_s=5.0)
         else:
+            for ended in backend.reap():  # ended on their own since the last turn
+                if ended.rank not in run.outcome.finished:
+                    run.on_death(ended.rank, ended.exitcode)
             reason = verdict.stop_reason(run.outcome.root, run.plan.timeout)
             for rank in range(run.plan.world_size):
                 if rank not in run.outcome.finished and run.states.get(rank) in (
@@ -77,12 +81,39 @@ def finish(run: Run) -> None:
     finally:
         if run.relay is not None:
             run.relay.drain_output(timeout=1.0)
+            if not ok:
+                mark_crashed(run)
             run.publish(run.run_ended(ok))
             run.relay.close()
         backend.close()
         checks.close_reader(run.plan)
         run.view.close()
         release_run_dir(run)
+
+
+# The signals a stop sends: a rank that ended by another one crashed on its own.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGKILL, signal.SIGINT)
+
+
+def mark_crashed(run: Run) -> None:
+    """A rank being stopped that crashed on its own (gloo aborting with SIGABRT after a
+    mismatch, a segmentation fault) is shown as it ended, with its last lines, not as stopped."""
+    for process in run.backend.ranks:
+        code = process.exitcode
+        if code is None or code >= 0 or -code in _STOP_SIGNALS:
+            continue
+        if process.rank in run.outcome.finished or run.states.get(process.rank) in (
+            RunState.FAILED,
+            RunState.DONE,
+        ):
+            continue
+        death = verdict.RootCause.death(process.rank, code)
+        tail = [line for line in run.relay.tails.get(process.rank, ()) if line.strip()]
+        if tail:
+            death.message += f"; its last output: {tail[-1].strip()[:200]}"
+        run.outcome.finished.add(process.rank)
+        run.outcome.failures.append(death)
+        run.set_state(process.rank, RunState.FAILED, death.message)
 
 
 def release_run_dir(run: Run) -> None:
