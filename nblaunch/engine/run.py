@@ -11,9 +11,12 @@ all drive it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nblaunch.engine import restarts, shutdown, verdict
@@ -26,7 +29,48 @@ from nblaunch.engine.relay import Relay
 from nblaunch.engine.restarts import Attempts
 from nblaunch.engine.verdict import Cause, Outcome, RootCause
 from nblaunch.errors import LaunchError
-from nblaunch.events import STOP, Event, EventSink, NullView, RunState, task_message
+from nblaunch.events import OOM_CAUGHT, STOP, Event, EventSink, NullView, RunState, task_message
+
+# Whether this process started ranks already: the first start waits for the ranks' process
+# server (the forkserver) to import torch, which it began when nblaunch was imported.
+_started_before = False
+# How often the view is drawn while the ranks start (the engine's loop does not run yet).
+STARTING_RENDER_S = 0.25
+
+
+def starting_words(start_method: str) -> str:
+    """What a rank's badge says while its process starts."""
+    if start_method == "forkserver" and not _started_before:
+        return "starting: the first launch waits for the ranks' process server to import torch"
+    return "starting its process"
+
+
+def shown_while(view: EventSink, start: Callable[[], None]) -> None:
+    """Call ``start`` (the ranks' processes) while another thread draws ``view`` every
+    ``STARTING_RENDER_S``: the cell shows the run and what it waits for at once, not a blank
+    cell for the seconds the first launch of a kernel waits for torch to be imported.
+
+    The thread runs in a copy of the caller's context, as a background run's does (ipykernel
+    routes its output by a context variable to the cell that launched).
+    """
+    global _started_before
+    done = threading.Event()
+    context = contextvars.copy_context()
+
+    def draw() -> None:
+        while not done.wait(STARTING_RENDER_S):
+            with contextlib.suppress(Exception):
+                context.run(view.flush, True)
+
+    thread = threading.Thread(target=draw, name="nblaunch-starting", daemon=True)
+    thread.start()
+    try:
+        start()
+        _started_before = True
+    finally:
+        done.set()
+        thread.join()
+
 
 # --- running -------------------------------------------------------------------------------------
 
@@ -106,12 +150,12 @@ class Run:
     def start(self) -> None:
         """Start this machine's ranks (each gets its set-up as it starts), open the relay and
         announce the run (unless a front end did already)."""
-        self.start_processes()
-        self.relay = Relay(self.backend.ranks, self.view, self.plan.run_dir, self.clock)
         if not self.announced:
             self.announce()
         for rank in range(self.plan.world_size):
-            self.set_state(rank, RunState.STARTING)
+            self.set_state(rank, RunState.STARTING, starting_words(self.plan.start_method))
+        shown_while(self.view, self.start_processes)  # the first one waits for torch's import
+        self.relay = Relay(self.backend.ranks, self.view, self.plan.run_dir, self.clock)
 
     def start_processes(self) -> None:
         # GPU ranks wait for an earlier run's ranks to be gone: their device memory comes first.
@@ -304,6 +348,8 @@ class Run:
             failure = RootCause.from_failure(event, received_at=self.now())
             self.outcome.failures.append(failure)
             self.set_state(rank, RunState.FAILED, failure.outcome_words()[:200])
+        elif kind == "progress" and event["what"] == OOM_CAUGHT:
+            self.outcome.caught_oom.setdefault(rank, event)
         elif kind == "finished":
             self.outcome.finished.add(rank)
             if rank in self.outcome.results:

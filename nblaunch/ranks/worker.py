@@ -39,6 +39,7 @@ RANK_FEATURES = (
     "nblaunch.ranks.debug_patches",
     "nblaunch.ranks.recorder",  # after fingerprints: its hook runs inside the outbox's
     "nblaunch.ranks.batch_size",
+    "nblaunch.ranks.caught_oom",
     "nblaunch.ranks.waits",
     "nblaunch.ranks.heartbeat",
     "nblaunch.ranks.debugger",
