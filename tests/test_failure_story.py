@@ -87,13 +87,14 @@ CELLS = {
     "    import os, signal, sys, time\n"
     "    import torch.distributed as dist\n"
     "    import nblaunch\n"
-    "    dist.barrier()\n"
-    "    if nblaunch.rank() == 0:\n"
-    "        raise ValueError('boom on rank 0')\n"
     "    def abort(*_):\n"
     "        print('rank 1 aborts in its clean-up', file=sys.stderr, flush=True)\n"
     "        os.abort()  # as gloo aborts a rank whose peer went away\n"
-    "    signal.signal(signal.SIGTERM, abort)\n"
+    "    if nblaunch.rank() == 1:\n"
+    "        signal.signal(signal.SIGTERM, abort)  # before rank 0 can raise\n"
+    "    dist.barrier()\n"
+    "    if nblaunch.rank() == 0:\n"
+    "        raise ValueError('boom on rank 0')\n"
     "    time.sleep(30)\n"
     "\n"
     "notebook_launcher(crash_when_stopped, num_processes=2)\n",
@@ -216,6 +217,7 @@ def test_the_saved_summary_keeps_nblaunchs_out_of_memory_retries(story):
     summary = _summary(cell)
     assert "32 x (rank 1: out of memory; all ranks restarted)" in summary, summary
     assert "-> 8 ok" in summary, summary
+    assert "-> 8 ...\n" not in summary + "\n"  # the restart's line, told again when it ended
     assert "batch 8 per rank x 2 ranks = 16 effective" in summary, summary
 
 

@@ -50,7 +50,7 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
         ]
     else:
         plain_lines += [f"  rank {r}: {model.state(r).value} · {outcomes[r]}" for r in ranks]
-    stories = list(dict.fromkeys(model.progress.values()))  # out-of-memory retries, ...
+    stories = _stories(model)
     plain_lines += [f"  {story}" for story in stories]
     plain_lines += [f"  logs: {run_dir}"] if run_dir else []
     plain_lines += [f"error: {title}" for title in errors] + [f"note: {title}" for title in notes]
@@ -146,6 +146,15 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
         f"{charts}{''.join(blocks)}</div>"
     )
     return {"text/plain": printable("\n".join(plain_lines)), "text/html": html_out}
+
+
+def _stories(model: RunModel) -> list[str]:
+    """The progress lines a saved notebook keeps: the batch-size search's latest (a rank's
+    "-> 8 ..." before a restart is told again, ended, by the rank that speaks for all after),
+    and every other one (each rank's caught out-of-memory error, the effective batch size)."""
+    latest_search = [text for (_, what), text in model.progress.items() if what == "batch_size"]
+    others = [text for (_, what), text in model.progress.items() if what != "batch_size"]
+    return list(dict.fromkeys(latest_search[-1:] + others))
 
 
 def _groups(
