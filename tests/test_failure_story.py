@@ -198,15 +198,19 @@ def test_out_of_memory_under_accelerates_finder_is_named_as_the_cause(story):
     first = error.evalue.splitlines()[0]
     assert first.startswith(
         "rank 1 of 2 ran out of memory at batch_size=32: Accelerate's find_executable_batch_size "
-        "caught it and retried that rank alone with a smaller batch while rank 0 went on"
+        "caught it and retried that rank alone with a smaller batch (out of memory again at 28, "
+        "25, 22, 19, 17, 15, 13, 11, 9) while rank 0 went on"
     ), error.evalue
     assert "DefaultCPUAllocator: can't allocate memory" in error.evalue
     assert "Fix: use nblaunch's find_executable_batch_size" in error.evalue
     assert "Input shapes:\n  - Process 0: [32]\n  - Process 1: [8]" in error.evalue
-    # The saved summary names it too.
-    assert "error: rank 1 of 2 ran out of memory at batch_size=32" in _summary(
-        cells["accelerate_oom"]
-    )
+    # The saved summary names it too, and keeps the story.
+    summary = _summary(cells["accelerate_oom"])
+    assert "error: rank 1 of 2 ran out of memory at batch_size=32" in summary
+    assert (
+        "rank 1: out of memory at batch_size=32, 28, 25, 22, 19, 17, 15, 13, 11, 9, caught by "
+        "Accelerate's find_executable_batch_size, which retries this rank alone"
+    ) in summary, summary
 
 
 @pytest.mark.slow

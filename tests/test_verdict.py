@@ -269,7 +269,7 @@ def test_an_out_of_memory_a_finder_caught_is_named_before_the_mismatch_it_caused
         "text": "",
         "data": {
             "finder": "Accelerate's find_executable_batch_size",
-            "batch_size": 32,
+            "sizes": [32, 16],
             "error": "CUDA out of memory. Tried to allocate 2.00 GiB",
         },
     }
@@ -277,8 +277,9 @@ def test_an_out_of_memory_a_finder_caught_is_named_before_the_mismatch_it_caused
     first, *rest = str(exc).split("\n")
     assert first == (
         "rank 1 of 2 ran out of memory at batch_size=32: Accelerate's find_executable_batch_size "
-        "caught it and retried that rank alone with a smaller batch while rank 0 went on at the "
-        "old size, so the ranks' collectives parted ways (the report below). Out of memory: "
+        "caught it and retried that rank alone with a smaller batch (out of memory again at 16) "
+        "while rank 0 went on at the old size, so the ranks' collectives parted ways (the report "
+        "below). Out of memory: "
         "CUDA out of memory. Tried to allocate 2.00 GiB"
     )
     assert rest[0].startswith("Fix: use nblaunch's find_executable_batch_size")

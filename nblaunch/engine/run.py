@@ -349,7 +349,7 @@ class Run:
             self.outcome.failures.append(failure)
             self.set_state(rank, RunState.FAILED, failure.outcome_words()[:200])
         elif kind == "progress" and event["what"] == OOM_CAUGHT:
-            self.outcome.caught_oom.setdefault(rank, event)
+            self.outcome.caught_oom[rank] = event  # each tells the sizes so far
         elif kind == "finished":
             self.outcome.finished.add(rank)
             if rank in self.outcome.results:

@@ -127,7 +127,7 @@ class Outcome:
     finished: set[int] = field(default_factory=set)
     root: RootCause | None = None
     # A library's batch-size finder caught an out-of-memory error on these ranks and retried
-    # them alone (their first ``Progress`` of it: ``nblaunch.ranks.caught_oom``).
+    # them alone (their latest ``Progress`` of it: ``nblaunch.ranks.caught_oom``).
     caught_oom: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def primaries(self) -> list[RootCause]:
@@ -267,17 +267,18 @@ def out_of_memory_first(root: RootCause, outcome: Outcome, world_size: int) -> s
         return ""
     ranks = sorted(outcome.caught_oom)
     first = outcome.caught_oom[ranks[0]].get("data") or {}
-    size = first.get("batch_size")
-    at = f" at batch_size={size}" if isinstance(size, int) else ""
+    sizes = [size for size in first.get("sizes") or [] if isinstance(size, int)]
+    at = f" at batch_size={sizes[0]}" if sizes else ""
+    again = f" (out of memory again at {', '.join(map(str, sizes[1:]))})" if sizes[1:] else ""
     finder = first.get("finder") or "a batch-size finder"
     who = " and ".join(f"rank {r}" for r in ranks)
     others = [r for r in range(world_size) if r not in outcome.caught_oom]
     went_on = " and ".join(f"rank {r}" for r in others) or "the others"
     return (
         f"{who} of {world_size} ran out of memory{at}: {finder} caught it and retried "
-        f"{'that rank' if len(ranks) == 1 else 'those ranks'} alone with a smaller batch while "
-        f"{went_on} went on at the old size, so the ranks' collectives parted ways (the report "
-        f"below). Out of memory: {first.get('error', '')}\n"
+        f"{'that rank' if len(ranks) == 1 else 'those ranks'} alone with a smaller batch"
+        f"{again} while {went_on} went on at the old size, so the ranks' collectives parted "
+        f"ways (the report below). Out of memory: {first.get('error', '')}\n"
         "Fix: use nblaunch's find_executable_batch_size (`from nblaunch import "
         "find_executable_batch_size`, the same decorator): every rank agrees on each attempt, "
         "so all of them retry together at the same smaller batch size."

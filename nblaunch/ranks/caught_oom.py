@@ -19,9 +19,11 @@ before any rank imports Accelerate), or at once if it was imported already.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from nblaunch.events import OOM_CAUGHT
@@ -30,20 +32,35 @@ from nblaunch.ranks import this_rank
 ACCELERATE_MEMORY = "accelerate.utils.memory"
 
 
+# The batch sizes that ran out of memory in this task, in order (each catch tells them all).
+_sizes: list[int] = []
+
+
+@contextlib.contextmanager
+def _new_task(context: this_rank.RankContext) -> Iterator[None]:
+    _sizes.clear()
+    yield
+
+
+this_rank.add_task_hook(_new_task)
+
+
 def report(finder: str, batch_size: Any, exception: BaseException) -> None:
     """Tell the notebook that ``finder`` caught ``exception`` (out of memory) on this rank at
-    ``batch_size`` and retries this rank alone."""
+    ``batch_size`` and retries this rank alone; the story so far is in each report."""
     rank = this_rank.rank()
-    size = f" at batch_size={batch_size}" if isinstance(batch_size, int) else ""
+    if isinstance(batch_size, int):
+        _sizes.append(batch_size)
+    sizes = ", ".join(map(str, _sizes))
     message = (str(exception).splitlines() or [type(exception).__name__])[0][:200]
     this_rank.emit(
         {
             "kind": "progress",
             "rank": rank,
             "what": OOM_CAUGHT,
-            "text": f"rank {rank}: out of memory{size}, caught by {finder}, which retries "
-            "this rank alone at a smaller batch size",
-            "data": {"finder": finder, "batch_size": batch_size, "error": message},
+            "text": f"rank {rank}: out of memory{f' at batch_size={sizes}' if sizes else ''}, "
+            f"caught by {finder}, which retries this rank alone at a smaller batch size",
+            "data": {"finder": finder, "sizes": list(_sizes), "error": message},
         }
     )
 
