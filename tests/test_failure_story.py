@@ -114,6 +114,7 @@ def story(tmp_path_factory):
     """The notebook, executed in a real kernel and saved; its cells by name, and the file."""
     from nbclient import NotebookClient
 
+    pytest.importorskip("accelerate")  # the compat extra (make test installs it)
     directory = tmp_path_factory.mktemp("failure-story")
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell(source) for source in CELLS.values()]
