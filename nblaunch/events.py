@@ -104,6 +104,11 @@ class Progress(TypedDict):
     data: dict[str, Any]
 
 
+# ``Progress.what`` of a rank whose out-of-memory error a library's batch-size finder caught
+# and retried on that rank alone (``nblaunch.ranks.memory.caught_oom``).
+OOM_CAUGHT = "oom_caught"
+
+
 class Heartbeat(TypedDict):
     """Where a rank's main thread is, sent about once a second while a task runs."""
 

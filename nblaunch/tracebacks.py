@@ -125,6 +125,40 @@ def make_readable(exc: BaseException, remote_traceback: str = "") -> BaseExcepti
     return exc
 
 
+def at_user_frames(exc: BaseException, frames: list[tuple[str, int, str]]) -> BaseException:
+    """Give ``exc``, a report made in the notebook (a mismatch, a hang), a traceback through
+    the user's frames on the rank it names, ``(file name, line, function)`` outermost first;
+    returns ``exc``.
+
+    Raised from the launcher's frames, the report's traceback would end in nblaunch's code
+    (IPython shows the innermost frame even when it is hidden); with these frames it ends at
+    the user's line, as a rank's own exception does.
+    """
+    if frames:
+        exc.__traceback__ = rebuild([(file, name, line, {}) for file, line, name in frames])
+    return exc
+
+
+def user_frames_of_stack(text: str) -> list[tuple[str, int, str]]:
+    """The user's frames, ``(file name, line, function)`` outermost first, of the first
+    thread's stack in a heartbeat's stack text (``nblaunch.ranks.stacks.format_stacks``): from
+    the task's first frame to the call into torch or nblaunch."""
+    found: list[tuple[str, int, str]] = []
+    for line in text.splitlines()[1:]:
+        if line and not line.startswith(" "):
+            break  # the next thread's header
+        match = _FRAME_LINE.match(line)
+        if match is None:
+            continue
+        file = match.group("file")
+        if file.startswith(_PACKAGE_DIR) or f"{os.sep}torch{os.sep}" in file:
+            if found:
+                break
+            continue
+        found.append((file, int(match.group("line")), match.group("name")))
+    return found
+
+
 def without_launcher_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """``tb`` from its first frame outside nblaunch's files on; None when every frame is one.
 

@@ -228,6 +228,10 @@ def test_cpu_ranks_tell_accelerate_to_use_the_cpu_unless_the_caller_said_otherwi
         "CPU ranks: ACCELERATE_USE_CPU=1 set so Accelerate and Transformers run distributed "
         "on all 2 ranks"
     ]
+    plan = plan_launch(print, 1, LaunchOptions(device_type="cpu"))  # not "all 1 ranks"
+    assert plan.notes == [
+        "CPU rank: ACCELERATE_USE_CPU=1 set so Accelerate and Transformers use the CPU"
+    ]
     monkeypatch.setenv("ACCELERATE_USE_CPU", "no")
     plan = plan_launch(print, 2, LaunchOptions(device_type="cpu"))
     assert plan.rank_env(1)["ACCELERATE_USE_CPU"] == "no" and plan.notes == []

@@ -12,7 +12,7 @@ import nblaunch
 from nblaunch import DistributedOperationException, notebook_launcher
 from nblaunch.ranks.checks.debug_mode import call_site
 from nblaunch.ranks.checks.debug_patches import verified_collectives
-from nblaunch.ranks.checks.debug_report import mismatch_message
+from nblaunch.ranks.checks.debug_report import mismatch_message, split_site
 
 SHAPE_TABLE = """\
 Cannot apply desired operation due to shape mismatches. All shapes across devices must be valid.
@@ -348,8 +348,26 @@ def test_call_sites_in_notebook_cells_are_cell_lines():
     namespace = {"call_site": call_site}
     code = compile("\n\nsite = call_site()\n", "/tmp/ipykernel_4242/123456.py", "exec")
     exec(code, namespace)
-    assert namespace["site"] == "cell line 3"
-    assert call_site().startswith("test_ops.py:")
+    cell = "/tmp/ipykernel_4242/123456.py"
+    assert split_site(namespace["site"]) == ("cell line 3", [cell, 3, "<module>"])
+    assert split_site(call_site())[0].startswith("test_ops.py:")
+
+
+def test_a_call_a_library_made_names_the_users_line_through_the_librarys():
+    library = {"call_site": call_site}
+    exec(
+        compile("def gather():\n    return call_site()\n", "/v/site-packages/acc/ops.py", "exec"),
+        library,
+    )
+    namespace = {"gather": library["gather"]}
+    code = compile(
+        "\ndef train():\n    return gather()\nsite = train()\n", "/tmp/ipykernel_1/2.py", "exec"
+    )
+    exec(code, namespace)
+    assert split_site(namespace["site"]) == (
+        "cell line 3, through acc/ops.py:2",
+        ["/tmp/ipykernel_1/2.py", 3, "train"],
+    )
 
 
 # --- triggers -------------------------------------------------------------------------------------

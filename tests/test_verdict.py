@@ -253,3 +253,42 @@ def test_the_diagnosis_shows_a_ranks_traceback_from_the_users_frame_on():
         "TypeError: cannot pickle\n"
     )
     assert tracebacks.without_launcher_text(own).splitlines()[1:] == own.splitlines()[3:]
+
+
+def test_an_out_of_memory_a_finder_caught_is_named_before_the_mismatch_it_caused():
+    from nblaunch.errors import DistributedOperationException
+
+    def mismatch() -> RootCause:
+        report = DistributedOperationException("Cannot apply desired operation ... [32] vs [8]")
+        return RootCause(Cause.MISMATCH, 0, "shapes", exception=report, title="ranks disagree")
+
+    caught = {
+        "kind": "progress",
+        "rank": 1,
+        "what": "oom_caught",
+        "text": "",
+        "data": {
+            "finder": "Accelerate's find_executable_batch_size",
+            "sizes": [32, 16],
+            "error": "CUDA out of memory. Tried to allocate 2.00 GiB",
+        },
+    }
+    exc, shown = verdict.exception_for(mismatch(), Outcome(caught_oom={1: caught}), CONTEXT)
+    first, *rest = str(exc).split("\n")
+    assert first == (
+        "rank 1 of 2 ran out of memory at batch_size=32: Accelerate's find_executable_batch_size "
+        "caught it and retried that rank alone with a smaller batch (out of memory again at 16) "
+        "while rank 0 went on at the old size, so the ranks' collectives parted ways (the report "
+        "below). Out of memory: "
+        "CUDA out of memory. Tried to allocate 2.00 GiB"
+    )
+    assert rest[0].startswith("Fix: use nblaunch's find_executable_batch_size")
+    assert str(exc).endswith("Cannot apply desired operation ... [32] vs [8]")
+    assert shown["title"] == "rank 1 of 2 ran out of memory at batch_size=32"
+    assert shown["rank"] == 1
+    # Without a caught out-of-memory, and for a rank's own failure, nothing is added.
+    exc, shown = verdict.exception_for(mismatch(), Outcome(), CONTEXT)
+    assert str(exc).startswith("Cannot apply") and shown["title"] == "ranks disagree"
+    failure = raised(1, ValueError("boom"))
+    exc, _ = verdict.exception_for(failure, Outcome(caught_oom={1: caught}), CONTEXT)
+    assert str(exc) == "boom"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import pickle
 import re
+import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +127,9 @@ class Outcome:
     failures: list[RootCause] = field(default_factory=list)  # raised and died, in arrival order
     finished: set[int] = field(default_factory=set)
     root: RootCause | None = None
+    # A library's batch-size finder caught an out-of-memory error on these ranks and retried
+    # them alone (their latest ``Progress`` of it: ``nblaunch.ranks.memory.caught_oom``).
+    caught_oom: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def primaries(self) -> list[RootCause]:
         return [f for f in self.failures if not f.secondary]
@@ -144,6 +148,29 @@ class Context:
     run_dir: Path | None = None
     # The last lines each rank printed (shown with a death).
     tails: dict[int, Iterable[str]] = field(default_factory=dict)
+
+
+# The signals a stop sends: a rank that ended by another one crashed on its own.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGKILL, signal.SIGINT)
+
+
+def crashed_while_stopped(
+    exits: dict[int, int | None], settled: set[int], tails: dict[int, Any]
+) -> list[RootCause]:
+    """The ranks being stopped that crashed on their own (gloo aborting with SIGABRT after a
+    mismatch, a segmentation fault), as deaths with their last line of output, so that they are
+    shown as they ended and not as stopped. ``exits``: each rank's exit code (negative: the
+    signal); ``settled``: ranks whose end is known already."""
+    found = []
+    for rank, code in sorted(exits.items()):
+        if code is None or code >= 0 or -code in STOP_SIGNALS or rank in settled:
+            continue
+        death = RootCause.death(rank, code)
+        tail = [line for line in tails.get(rank, ()) if line.strip()]
+        if tail:
+            death.message += f"; its last output: {tail[-1].strip()[:200]}"
+        found.append(death)
+    return found
 
 
 def settle(outcome: Outcome, task_ranks: Iterable[int], now: float) -> RootCause | None:
@@ -203,10 +230,15 @@ def exception_for(
     others = [f.describe() for f in outcome.failures if f is not root and f.rank != rank]
     if root.exception is not None:  # a monitor's diagnosis (e.g. a hang) brings its own
         exc = root.exception
-        hint = debug_hint(root, exc, context.debug)
-        if hint:
-            add_note(exc, hint)
         title = root.title or str(exc).splitlines()[0]
+        cause = out_of_memory_first(root, outcome, n)
+        if cause:
+            rank, title = min(outcome.caught_oom), cause.split(":")[0]
+            exc.args = (f"{cause}\n\n{exc.args[0] if exc.args else ''}", *exc.args[1:])
+        else:
+            hint = debug_hint(root, exc, context.debug)
+            if hint:
+                add_note(exc, hint)
         return exc, diagnosis(title, str(exc), "error", rank, others)
     if root.cause is Cause.TIMEOUT:  # the view says it with the ranks' badges
         return LaunchTimeoutError(root.message, rank=rank, world_size=n), None
@@ -249,6 +281,32 @@ def exception_for(
     title = f"rank {rank} of {n} failed: {root.describe()}"
     body = tracebacks.without_launcher_text(root.traceback) or root.message  # the user's frames
     return exc, diagnosis(title, body, "error", rank, others)
+
+
+def out_of_memory_first(root: RootCause, outcome: Outcome, world_size: int) -> str:
+    """The cause to name first when ranks parted ways (a mismatch, a hang) after a library's
+    batch-size finder caught an out-of-memory error on some of them and retried those alone;
+    "" otherwise. Its first line, up to the colon, is the view's title."""
+    if root.cause not in (Cause.MISMATCH, Cause.HANG) or not outcome.caught_oom:
+        return ""
+    ranks = sorted(outcome.caught_oom)
+    first = outcome.caught_oom[ranks[0]].get("data") or {}
+    sizes = [size for size in first.get("sizes") or [] if isinstance(size, int)]
+    at = f" at batch_size={sizes[0]}" if sizes else ""
+    again = f" (out of memory again at {', '.join(map(str, sizes[1:]))})" if sizes[1:] else ""
+    finder = first.get("finder") or "a batch-size finder"
+    who = " and ".join(f"rank {r}" for r in ranks)
+    others = [r for r in range(world_size) if r not in outcome.caught_oom]
+    went_on = " and ".join(f"rank {r}" for r in others) or "the others"
+    return (
+        f"{who} of {world_size} ran out of memory{at}: {finder} caught it and retried "
+        f"{'that rank' if len(ranks) == 1 else 'those ranks'} alone with a smaller batch"
+        f"{again} while {went_on} went on at the old size, so the ranks' collectives parted "
+        f"ways (the report below). Out of memory: {first.get('error', '')}\n"
+        "Fix: use nblaunch's find_executable_batch_size (`from nblaunch import "
+        "find_executable_batch_size`, the same decorator): every rank agrees on each attempt, "
+        "so all of them retry together at the same smaller batch size."
+    )
 
 
 def same_failure_everywhere(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import re
 import socket
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nblaunch.errors import add_note
+from nblaunch.ranks.checks import process_groups
 
 # Keys of the rendezvous store under which the second, third, ... group meet.
 GENERATION_PREFIX = "nblaunch/generation"
@@ -166,6 +168,24 @@ def _install() -> None:
         init_process_group.__nblaunch_original__ = _original_init  # type: ignore[attr-defined]
     dist.init_process_group = init_process_group
     c10d.init_process_group = init_process_group
+    if not hasattr(c10d.destroy_process_group, "__nblaunch_original__"):
+        dist.destroy_process_group = c10d.destroy_process_group = _counting_destroy(
+            c10d.destroy_process_group
+        )
+
+
+def _counting_destroy(original: Any) -> Any:
+    """``destroy_process_group`` that keeps the groups' collective counts first
+    (:func:`nblaunch.ranks.checks.process_groups.before_destroy`): a rank that destroyed its group
+    and returned is then said to have issued what it issued, not 0."""
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        process_groups.before_destroy()
+        return original(*args, **kwargs)
+
+    destroy_process_group.__nblaunch_original__ = original  # type: ignore[attr-defined]
+    return destroy_process_group
 
 
 def _make(

@@ -40,6 +40,7 @@ RANK_FEATURES = (
     "nblaunch.ranks.checks.debug_patches",
     "nblaunch.ranks.checks.recorder",  # after fingerprints: its hook runs inside the outbox's
     "nblaunch.ranks.memory.batch_size",
+    "nblaunch.ranks.memory.caught_oom",
     "nblaunch.ranks.checks.waits",
     "nblaunch.ranks.heartbeat",
     "nblaunch.ranks.debugger",

@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nblaunch import tracebacks
 from nblaunch.engine.monitors.protocol import RunContext
 from nblaunch.engine.monitors.source_lines import cell_names
 from nblaunch.engine.verdict import Cause, RootCause
@@ -36,6 +37,7 @@ from nblaunch.ranks.checks.debug_report import (
     mismatch_message,
     record_of,
     same_facts,
+    user_frame,
 )
 from nblaunch.ranks.checks.fingerprints import (
     CALL,
@@ -487,10 +489,6 @@ class CollectiveChecks:
         headline = message.splitlines()[0]
         names = " and ".join(f"rank {r}" for r in ranks[:2])
         title = f"{names} of {self.world_size} disagree on collective #{call['n']}"
-        return RootCause(
-            Cause.MISMATCH,
-            ranks[0],
-            headline,
-            exception=DistributedOperationException(message),
-            title=title,
-        )
+        exception = DistributedOperationException(message)
+        tracebacks.at_user_frames(exception, user_frame(records))
+        return RootCause(Cause.MISMATCH, ranks[0], headline, exception=exception, title=title)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nblaunch import tracebacks
 from nblaunch.engine.monitors import deadlock
 from nblaunch.engine.monitors.beats import Beat
 from nblaunch.engine.monitors.protocol import RunContext
@@ -324,30 +325,12 @@ class HangMonitor:
                 f"{_rank_words(waiting)} of {n} waited in collectives for {timeout} s with "
                 "no progress"
             )
-            why = f"Nothing moved for {timeout} s (hang_timeout). " + self._mismatch(waiting)
+            why = f"Nothing moved for {timeout} s (hang_timeout). " + _mismatch(self.beats, waiting)
         # The launcher adds the debug-mode hint (debug=True) to every error that happened
         # inside a collective while debug mode was off.
         why += " Pass a larger hang_timeout= if the ranks were only slow."
         message = f"{headline}.\n" + "\n".join(lines) + "\n" + why
         return self._root(run, culprit, headline, message, now)
-
-    def _mismatch(self, waiting: list[int]) -> str:
-        names = {self.beats[r].event["collective"] for r in waiting}
-        seqs = {self.beats[r].event["seq"] for r in waiting}
-        if len(names) > 1:
-            return (
-                "The ranks wait in different collectives: they called collectives in a "
-                "different order or a different number of times."
-            )
-        if len(seqs) > 1 and None not in seqs:
-            return (
-                "The ranks wait in different calls of the same collective (see their collective "
-                "numbers): one rank called it more times than another."
-            )
-        return (
-            "All ranks wait in the same collective: check that they pass tensors of the same "
-            "shape and dtype, and that no peer process is blocked outside Python."
-        )
 
     def _describe(self, rank: int, now: float, still: float) -> str:
         beat = self.beats[rank]
@@ -394,6 +377,8 @@ class HangMonitor:
         else:
             stacks = {r: cell_names(text) for r, text in stacks.items()}
             exception = DistributedHangError(cell_names(full), stacks=stacks)
+            waiting = [r for r in self._running(run) if self.beats[r].in_collective]
+            tracebacks.at_user_frames(exception, _user_frames(self.beats, [rank, *waiting]))
         return RootCause(Cause.HANG, rank, headline, exception=exception, title=headline)
 
     # --- stragglers ------------------------------------------------------------------------------
@@ -401,6 +386,36 @@ class HangMonitor:
     def _publish_straggler(self, run: RunContext, *, final: bool) -> None:
         beats = {rank: beat.event for rank, beat in self.beats.items()}
         self.stragglers.publish(run, beats, final=final)
+
+
+def _mismatch(beats: dict[int, Beat], waiting: list[int]) -> str:
+    """Why ranks that all wait in collectives cannot go on, as far as their calls say."""
+    names = {beats[r].event["collective"] for r in waiting}
+    seqs = {beats[r].event["seq"] for r in waiting}
+    if len(names) > 1:
+        return (
+            "The ranks wait in different collectives: they called collectives in a "
+            "different order or a different number of times."
+        )
+    if len(seqs) > 1 and None not in seqs:
+        return (
+            "The ranks wait in different calls of the same collective (see their collective "
+            "numbers): one rank called it more times than another."
+        )
+    return (
+        "All ranks wait in the same collective: check that they pass tensors of the same "
+        "shape and dtype, and that no peer process is blocked outside Python."
+    )
+
+
+def _user_frames(beats: dict[int, Beat], ranks: list[int]) -> list[tuple[str, int, str]]:
+    """The user's frames where the first of ``ranks`` with a stack stands: the traceback."""
+    for rank in ranks:
+        beat = beats.get(rank)
+        frames = tracebacks.user_frames_of_stack(beat.event["stack"]) if beat else []
+        if frames:
+            return frames
+    return []
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -310,6 +310,8 @@ def _cpu_library_notes(device_type: str, num_processes: int, warnings: list[str]
         return []
     value = os.environ.get("ACCELERATE_USE_CPU")
     if value is None:
+        if num_processes == 1:  # Accelerate runs one process undistributed ("NO")
+            return ["CPU rank: ACCELERATE_USE_CPU=1 set so Accelerate and Transformers use the CPU"]
         return [
             "CPU ranks: ACCELERATE_USE_CPU=1 set so Accelerate and Transformers run "
             f"distributed on all {num_processes} ranks"

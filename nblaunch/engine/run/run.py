@@ -23,9 +23,10 @@ from nblaunch.engine.plan.launch_plan import choose_port
 from nblaunch.engine.processes.stopper import KNOWN_CAUSE_GRACE_S, STOP_GRACE_S, Stopper
 from nblaunch.engine.run.context import RunBase
 from nblaunch.engine.run.restarts import restart_notice
+from nblaunch.engine.run.starting import shown_while, starting_words
 from nblaunch.engine.verdict import Cause, Outcome, RootCause
 from nblaunch.errors import LaunchError
-from nblaunch.events import STOP, EventSink, NullView, RunState, task_message
+from nblaunch.events import OOM_CAUGHT, STOP, EventSink, NullView, RunState, task_message
 
 # Causes after which the other ranks are most likely blocked in a collective they cannot finish:
 # they get half a second to stop, and being killed is no news.
@@ -72,14 +73,14 @@ class Run(RunBase):
     def start(self) -> None:
         """Start this machine's ranks (each gets its set-up as it starts), open the relay and
         announce the run (unless a front end did already)."""
-        self.start_processes()
-        self.relay = Relay(self.backend.ranks, self.view, self.plan.run_dir, self.clock)
-        for source in self.event_sources(self.relay):
-            self.relay.add_source(source)
         if not self.announced:
             self.announce()
         for rank in range(self.plan.world_size):
-            self.set_state(rank, RunState.STARTING)
+            self.set_state(rank, RunState.STARTING, starting_words(self.plan.start_method))
+        shown_while(self.view, self.start_processes)  # the first one waits for torch's import
+        self.relay = Relay(self.backend.ranks, self.view, self.plan.run_dir, self.clock)
+        for source in self.event_sources(self.relay):
+            self.relay.add_source(source)
 
     def start_processes(self) -> None:
         # GPU ranks wait for an earlier run's ranks to be gone: their device memory comes first.
@@ -235,6 +236,8 @@ class Run(RunBase):
             failure = RootCause.from_failure(event, received_at=self.now())
             self.outcome.failures.append(failure)
             self.set_state(rank, RunState.FAILED, failure.outcome_words()[:200])
+        elif kind == "progress" and event["what"] == OOM_CAUGHT:
+            self.outcome.caught_oom[rank] = event  # each tells the sizes so far
         elif kind == "finished":
             self.outcome.finished.add(rank)
             if rank in self.outcome.results:
@@ -311,6 +314,9 @@ class Run(RunBase):
                     self.set_state(rank, RunState.DONE)
                 self.hang_up(limit_s=5.0)
             else:
+                for ended in self.backend.reap():  # ended on their own since the last turn
+                    if ended.rank not in self.outcome.finished:
+                        self.on_death(ended.rank, ended.exitcode)
                 reason = verdict.stop_reason(root, self.plan.timeout)
                 for rank in range(self.plan.world_size):
                     if rank not in self.outcome.finished and self.states.get(rank) in (
@@ -327,9 +333,22 @@ class Run(RunBase):
         finally:
             if self.relay is not None:
                 self.relay.drain_output(timeout=1.0)
+                if not ok:
+                    self._note_crashes()
                 self.publish(self.run_ended(ok))
             self.close()
             self.view.close()
+
+    def _note_crashes(self) -> None:
+        """Ranks being stopped that crashed on their own are shown as they ended."""
+        ended = (RunState.FAILED, RunState.DONE)
+        settled = self.outcome.finished | {r for r, s in self.states.items() if s in ended}
+        exits = {process.rank: process.exitcode for process in self.backend.ranks}
+        assert self.relay is not None
+        for death in verdict.crashed_while_stopped(exits, settled, self.relay.tails):
+            self.outcome.finished.add(death.rank)
+            self.outcome.failures.append(death)
+            self.set_state(death.rank, RunState.FAILED, death.message)
 
     def stop_ranks(self, grace: float, quiet: bool = False) -> None:
         """Stop this machine's ranks (SIGTERM, SIGKILL after ``grace``; ``quiet``: being killed

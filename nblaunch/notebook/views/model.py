@@ -112,7 +112,9 @@ class RunModel:
             self.heartbeats[event["rank"]] = (event["wait_s"], busy, event["collective"])
             self.changed.add("ranks")
         elif kind == "progress":
-            self.progress[(event["rank"], event["what"])] = event["text"]
+            key = (event["rank"], event["what"])
+            self.progress.pop(key, None)  # the newest last (the summary tells the latest)
+            self.progress[key] = event["text"]
             self.changed.add("progress")
         elif kind == "result":
             if len(event["value_bytes"]) <= SUMMARY_VALUE_BYTES:

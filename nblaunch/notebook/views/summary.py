@@ -50,6 +50,8 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
         ]
     else:
         plain_lines += [f"  rank {r}: {model.state(r).value} · {outcomes[r]}" for r in ranks]
+    stories = _stories(model)
+    plain_lines += [f"  {story}" for story in stories]
     plain_lines += [f"  logs: {run_dir}"] if run_dir else []
     plain_lines += [f"error: {title}" for title in errors] + [f"note: {title}" for title in notes]
     for r, lines, earlier in tails:
@@ -85,6 +87,7 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
         )
     title = esc(header.removeprefix("nblaunch: "))
     where = f"<div style='color:#64748b'>logs in <code>{esc(run_dir)}</code></div>"
+    told = "".join(f"<div style='margin:2px 0'>{esc(story)}</div>" for story in stories)
     found = "".join(
         f"<div style='color:{SEVERITY_COLORS[kind][1]};margin:4px 0'><b>{label}:</b> "
         f"{esc(text)}</div>"
@@ -139,10 +142,19 @@ def summary_bundle(model: RunModel) -> dict[str, str]:
             plain_lines.append(f"  {model.metrics.left_out_note()}")
     html_out = (
         f"<div><b>nblaunch</b> {title}<table style='border-collapse:collapse;"
-        f"margin:4px 0'>{''.join(rows)}</table>{where if run_dir else ''}{found}"
+        f"margin:4px 0'>{''.join(rows)}</table>{told}{where if run_dir else ''}{found}"
         f"{charts}{''.join(blocks)}</div>"
     )
     return {"text/plain": printable("\n".join(plain_lines)), "text/html": html_out}
+
+
+def _stories(model: RunModel) -> list[str]:
+    """The progress lines a saved notebook keeps: the batch-size search's latest (a rank's
+    "-> 8 ..." before a restart is told again, ended, by the rank that speaks for all after),
+    and every other one (each rank's caught out-of-memory error, the effective batch size)."""
+    latest_search = [text for (_, what), text in model.progress.items() if what == "batch_size"]
+    others = [text for (_, what), text in model.progress.items() if what != "batch_size"]
+    return list(dict.fromkeys(latest_search[-1:] + others))
 
 
 def _groups(

@@ -34,7 +34,7 @@ from nblaunch.errors import DistributedOperationException
 from nblaunch.options import debug_from_env
 from nblaunch.ranks import this_rank
 from nblaunch.ranks.checks import fingerprints
-from nblaunch.ranks.checks.debug_report import mismatch_message, record_of
+from nblaunch.ranks.checks.debug_report import FRAME_MARK, mismatch_message, record_of
 
 # Bytes each rank contributes to the verification all_gather; a record is ~200 bytes, and one
 # that does not fit lists fewer tensors (the comparison still uses digests of all of them).
@@ -49,8 +49,11 @@ _Tensor: Any = None  # torch.Tensor, once a collective was checked
 _dtype_names: dict[Any, str] = {}  # str() of each dtype seen: every checked tensor names one
 # Call sites named so far, by code object (its id) and line, with the code object and the name:
 # every checked collective names its site.
-_sites: dict[tuple[int, int], tuple[Any, str]] = {}
+_sites: dict[tuple[int, int], tuple[Any, str, str]] = {}
 MAX_SITES = 10_000
+# A file of an installed package, and what each file seen was.
+_LIBRARY_PATH = re.compile(r"[/\\](site|dist)-packages[/\\]")
+_libraries: dict[str, bool] = {}
 
 # Set while a verified call runs: collectives that torch calls internally (all_gather_object
 # calls all_gather) and the verification's own all_gather must not be verified again.
@@ -134,30 +137,71 @@ def call_site() -> str:
 
 
 def site_of(frame: Any) -> str:
-    """The first frame of user code from ``frame`` outwards, as :func:`call_site` names it."""
+    """The first frame of user code from ``frame`` outwards, as :func:`call_site` names it.
+
+    A collective that a library (a package under site-packages: Accelerate, Transformers,
+    Lightning) calls is named at the library's line and at the first frame of the user's code
+    further out, which called the library: ``cell line 57, through
+    accelerate/utils/operations.py:345``. The name is followed by :data:`FRAME_MARK` and that
+    user frame's file, line and function
+    (:func:`nblaunch.ranks.checks.debug_report.split_site`), so the notebook can show the user's
+    line as the error's traceback.
+    """
     global _skipped_dirs
     if _skipped_dirs is None:
         import torch
 
         torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
         _skipped_dirs = (_PACKAGE_DIR, torch_dir, _STDLIB_DIR)
+    library = None
     while frame is not None:
         code = frame.f_code
         # (a forked rank's outermost frame is the forkserver's `python -c` command: no user's)
         if not code.co_filename.startswith(_skipped_dirs) and not (
             frame.f_back is None and code.co_filename == "<string>"
         ):
-            # By the code's id, kept alive by the entry: hashing a code object hashes its
-            # constants (1.6 µs for a 300-line module's).
-            line = frame.f_lineno
-            entry = _sites.get((id(code), line))
-            if entry is None or entry[0] is not code:
-                if len(_sites) > MAX_SITES:
-                    _sites.clear()
-                entry = _sites[(id(code), line)] = (code, _site_name(code.co_filename, line))
-            return entry[1]
+            name, marked = _site_entry(frame, code)
+            if not _is_library(code.co_filename):
+                if library is None:
+                    return marked
+                return f"{name}, through {library}{marked[len(name) :]}"
+            if library is None:
+                library = name
         frame = frame.f_back
-    return UNKNOWN
+    return UNKNOWN if library is None else library
+
+
+def _site_entry(frame: Any, code: Any) -> tuple[str, str]:
+    """A frame's name in a report, and the same followed by the frame (:data:`FRAME_MARK`)."""
+    # By the code's id, kept alive by the entry: hashing a code object hashes its
+    # constants (1.6 µs for a 300-line module's).
+    line = frame.f_lineno
+    entry = _sites.get((id(code), line))
+    if entry is None or entry[0] is not code:
+        if len(_sites) > MAX_SITES:
+            _sites.clear()
+        if _is_library(code.co_filename):
+            name = marked = _library_name(code.co_filename, line)
+        else:
+            name = _site_name(code.co_filename, line)
+            marked = FRAME_MARK.join((name, code.co_filename, str(line), code.co_name))
+        entry = _sites[(id(code), line)] = (code, name, marked)
+    return entry[1], entry[2]
+
+
+def _is_library(filename: str) -> bool:
+    """A file of an installed package (not torch's, not nblaunch's: those are skipped)."""
+    library = _libraries.get(filename)
+    if library is None:
+        library = _libraries[filename] = bool(_LIBRARY_PATH.search(filename))
+    return library
+
+
+def _library_name(filename: str, line: int) -> str:
+    """``accelerate/utils/operations.py:345``: the path inside site-packages."""
+    match = _LIBRARY_PATH.search(filename)
+    inside = filename[match.end() :] if match else os.path.basename(filename)
+    return f"{inside}:{line}"
 
 
 def _site_name(filename: str, line: int) -> str:
@@ -292,6 +336,7 @@ def _exchange(record: dict[str, Any], group: Any) -> list[dict[str, Any]]:
         record["args"] = {k: str(v)[:40] for k, v in record["args"].items()}
         record["problem"] = (record["problem"] or "")[:200] or None
         record["site"] = record["site"][-120:]
+        record["frame"] = None  # the report keeps its text; the traceback does without
         data = json.dumps(record).encode()[: RECORD_BYTES - 4]
     buffer = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
     buffer[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)

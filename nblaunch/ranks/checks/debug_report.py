@@ -28,6 +28,9 @@ MAX_LISTED = 16
 # What a call's facts tuple holds, in order: shapes, dtypes and devices of every input tensor
 # (tuples), the output tensors' shapes (or None), args as (name, value) pairs.
 FACTS = ("op", "site", "rule", "dim", "shapes", "dtypes", "devices", "out", "args", "problem")
+# Between a call site's name and the user's frame it names (file, line, function), in the site
+# ranks send (``debug_mode.site_of``); a record holds them apart (``site``, ``frame``).
+FRAME_MARK = "\x1f"
 # Rules under which equal facts on every rank may still disagree (outputs sized for others).
 _WHOLE_GROUP_RULES = ("all_gather", "all_gather_even")
 
@@ -44,6 +47,7 @@ def digest(value: Any) -> str:
 def record_of(facts: tuple[Any, ...], rank: int) -> dict[str, Any]:
     """Debug mode's record (see the module) of one rank's call, from its facts (:data:`FACTS`)."""
     op, site, rule, dim, shapes, dtypes, devices, out, args, problem = facts
+    site, frame = split_site(site)
     shapes = [list(shape) for shape in shapes]
     dtypes, devices = list(dtypes), list(devices)
     if rule == "same_except_dim":
@@ -58,6 +62,7 @@ def record_of(facts: tuple[Any, ...], rank: int) -> dict[str, Any]:
         "op": op,
         "rank": rank,
         "site": site,
+        "frame": frame,
         "rule": rule,
         "n": len(shapes),
         "shapes": shapes[:MAX_LISTED],
@@ -68,6 +73,26 @@ def record_of(facts: tuple[Any, ...], rank: int) -> dict[str, Any]:
         "args": dict(args),
         "problem": problem,
     }
+
+
+def split_site(site: str) -> tuple[str, list[Any] | None]:
+    """A call site as ranks send it: its name in the report, and the user's frame it names as
+    ``[file, line, function]`` (None when no frame of the user's code was found)."""
+    name, *frame = site.split(FRAME_MARK)
+    if len(frame) != 3 or not frame[1].isdigit():
+        return name, None
+    return name, [frame[0], int(frame[1]), frame[2]]
+
+
+def user_frame(records: dict[int, Any]) -> list[tuple[str, int, str]]:
+    """The user's frame ``(file, line, function)`` that the call of the lowest rank names, of
+    one collective's facts or records by rank; [] when none names one."""
+    for rank in sorted(records):
+        record = records[rank]
+        frame = (record_of(record, rank) if type(record) is tuple else record).get("frame")
+        if frame:
+            return [(frame[0], frame[1], frame[2])]
+    return []
 
 
 def same_facts(facts: list[tuple[Any, ...]]) -> bool:

@@ -16,6 +16,7 @@ import contextlib
 import os
 import pickle
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,27 @@ def sequence_number(group: Any) -> int | None:
         return None
 
 
+# Each group destroyed during the task, with its counts just before: torch forgets them with the
+# group, and a rank that destroyed its group (the DDP tutorial's clean-up) and returned still
+# issued them (a peer waiting in one more is told how many the rank issued).
+_destroyed: dict[str, tuple[int, int]] = {}
+
+
+@contextlib.contextmanager
+def _forget_destroyed(context: this_rank.RankContext) -> Iterator[None]:
+    _destroyed.clear()
+    yield
+
+
+this_rank.add_task_hook(_forget_destroyed)
+
+
+def before_destroy() -> None:
+    """Keep the groups' counts: ``destroy_process_group`` is about to run (see ``_destroyed``)."""
+    with contextlib.suppress(Exception):
+        _destroyed.update(group_status() or {})
+
+
 def group_status() -> dict[str, tuple[int, int]] | None:
     """Per process group (by name, ``"0"`` is the default group): the number of the last
     collective issued and of the last one completed. ``None`` without a process group.
@@ -99,6 +121,8 @@ def group_status() -> dict[str, tuple[int, int]] | None:
             done = max(int(group.get("last_completed_collective", -1)) - posted, -1)
             old = status.get(name, (-1, -1))
             status[name] = (max(old[0], issued), max(old[1], done))
+    for name, counts in _destroyed.items():  # gone from the recorder; a group made again wins
+        status.setdefault(name, counts)
     return status or None
 
 
