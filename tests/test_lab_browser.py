@@ -102,6 +102,7 @@ def test_the_panel_lists_a_detached_run_shows_it_live_and_stops_it(lab, tmp_path
             shot = picture("lab-panel.png", tmp_path)
             page.screenshot(path=str(shot))
             view.locator(".nbl-lab-stop").click()
+            page.locator(".jp-Dialog .jp-mod-accept").click()  # Stop asks first
             expect(view.locator(".nbl-lab-run-state")).to_have_text("STOPPED", timeout=30_000)
             expect(view.locator(".nbl-lab-stop")).to_have_count(0)
             expect(row).to_contain_text("stopped", timeout=10_000)
