@@ -142,6 +142,8 @@ def test_closed_views_let_go_of_their_streams_and_the_page_keeps_working(lab, tm
     lab.show_panel()
     row = lab.row(run_id)
     expect(row).to_contain_text("running", timeout=30_000)
+    expect(row.locator(".nbl-lab-name")).to_have_text("train")  # what it runs, then its id
+    expect(row.locator(".nbl-lab-when")).to_contain_text("from train.py · started")
     for _ in range(8):  # past Chromium's six connections per host
         row.click()
         expect(lab.view(run_id).locator(".nbl-lab-rank")).to_have_count(2, timeout=20_000)
@@ -320,3 +322,43 @@ def test_insert_attach_puts_the_cell_into_the_current_notebook(lab):
     finally:
         os.kill(lab.entry(run_id)["pid"], signal.SIGTERM)
         lab.delete_sessions()  # the notebook's kernel (the tab stays: its cell is unsaved)
+
+
+def test_the_list_filters_pages_and_says_when_the_server_cannot_be_reached(lab):
+    from playwright.sync_api import expect
+
+    planted = [f"20261101-0000{i:02d}-000000-aa{i:02d}" for i in range(55)]
+    for name in planted:
+        plant_kernel_run(lab, name, "step 0\n")
+    lab.show_panel()
+    panel = lab.page.locator("#nblaunch-runs")
+    panel.locator(".nbl-lab-filter").select_option("ended")
+    rows = panel.locator(".nbl-lab-run")
+    expect(rows).to_have_count(50, timeout=10_000)  # a page
+    more = panel.locator(".nbl-lab-more")
+    expect(more).to_contain_text("more of")
+    more.click()
+    ended = len([run for run in _runs(lab) if run["state"] == "ended"])
+    assert ended >= 55
+    expect(rows).to_have_count(ended)
+    panel.locator(".nbl-lab-filter").select_option("done")
+    done = [run["id"] for run in _runs(lab) if run["state"] == "done"]
+    expect(rows).to_have_count(len(done))
+    assert sorted(rows.evaluate_all("rows => rows.map(row => row.dataset.id)")) == sorted(done)
+    panel.locator(".nbl-lab-filter").select_option("")
+    # The server goes away: the panel says so, and recovers when it is back.
+    listing = re.compile(r".*/nblaunch/api/runs(\?.*)?$")  # Lab adds a cache-buster
+    lab.page.route(listing, lambda route: route.abort())
+    error = panel.locator(".nbl-lab-error")
+    expect(error).to_contain_text("cannot reach the server", timeout=10_000)
+    lab.page.unroute(listing)
+    expect(error).to_be_empty(timeout=10_000)
+    for name in planted:
+        shutil.rmtree(lab.work / ".nblaunch" / "runs" / name)
+
+
+def _runs(lab: Lab) -> list[dict]:
+    headers = {"Authorization": f"token {lab.token}"}
+    request = urllib.request.Request(f"{lab.base}/nblaunch/api/runs", None, headers)
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read())["runs"]

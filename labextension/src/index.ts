@@ -42,6 +42,7 @@ interface IRecord {
   pid: number | null;
   function: string;
   name: string;
+  origin: string;
   folder: string | null;
   logs: string[];
   last_step: number | null;
@@ -327,7 +328,7 @@ class RunsPanel extends Widget {
     const devices = run.devices.length ? ` · ${[...new Set(run.devices)].join(', ')}` : '';
     const facts = `${run.state} · ${where} · ${run.ranks} ranks${devices}${step}`;
     row.appendChild(el('div', 'nbl-lab-facts', facts));
-    row.appendChild(el('div', 'nbl-lab-when', when(run)));
+    row.appendChild(el('div', 'nbl-lab-when', [run.origin ? `from ${run.origin}` : '', when(run)].filter(Boolean).join(' · ')));
     if (run.kind === 'pool' && run.state === 'running') {
       row.appendChild(el('div', 'nbl-lab-holder', holderText(run)));
     }
@@ -478,17 +479,22 @@ class RunView extends Widget {
 
   private links(run: IRecord): HTMLElement {
     const box = el('div', 'nbl-lab-links');
-    if (run.folder !== null) {
+    // The run directory in the file browser, when Jupyter shows it (not under a hidden folder
+    // such as the default .nblaunch); the logs from the server extension, in a browser tab.
+    if (run.folder !== null && !run.folder.split('/').some(part => part.startsWith('.'))) {
       const folder = el('a', 'nbl-lab-link nbl-lab-folder', run.run_dir);
       folder.onclick = () => this.host.goTo(run.folder as string);
       box.appendChild(folder);
-      for (const log of run.logs) {
-        const link = el('a', 'nbl-lab-link nbl-lab-log-link', log);
-        link.onclick = () => this.host.openPath(`${run.folder}/${log}`);
-        box.appendChild(link);
-      }
     } else {
       box.appendChild(el('span', 'nbl-lab-dir', run.run_dir));
+    }
+    const settings = ServerConnection.makeSettings();
+    for (const log of [...run.logs, ...(run.detached ? ['host.log'] : [])]) {
+      const link = el('a', 'nbl-lab-link nbl-lab-log-link', log) as HTMLAnchorElement;
+      link.href = URLExt.join(settings.baseUrl, 'nblaunch/api', runPath(run.id, `/logs/${log}`));
+      link.target = '_blank';
+      link.rel = 'noopener';
+      box.appendChild(link);
     }
     return box;
   }
@@ -522,6 +528,7 @@ class RunView extends Widget {
       info.device_kind || '',
       info.checks || '',
       run.pid ? `host pid ${run.pid}` : '',
+      run.origin ? `from ${run.origin}` : '',
       when(run),
       run.ended ? `ended ${clock(run.ended)}` : ''
     ];

@@ -74,6 +74,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
         started_at=time.time(),
         world_size=0,
         state=RUNNING,
+        origin=launch.get("origin", ""),
     )
     try:
         pool.start()

@@ -8,7 +8,9 @@
   change, until the run ended (the server is fed by the host's socket; the panel follows this);
 - ``POST /nblaunch/api/runs/<id>/stop``: what ``nblaunch runs stop ID`` does; the reply has the
   state after the stop;
-- ``POST /nblaunch/api/runs/<id>/clear``: removes an ended run's directory (and its entry).
+- ``POST /nblaunch/api/runs/<id>/clear``: removes an ended run's directory (and its entry);
+- ``GET /nblaunch/api/runs/<id>/logs/<name>``: the end of a rank log, ``host.log`` or
+  ``metrics.jsonl`` as plain text (the run directories are hidden from Jupyter's contents).
 
 An id the list does not show (another user's run, or none) is 404 on both.
 """
@@ -35,6 +37,7 @@ STREAM_LIMIT_S = 3600.0
 # Any name a run directory may have (a space, "=", "+", non-ASCII: the panel encodes it and
 # the router decodes it); the id is then only compared with the names the list shows.
 _ID = r"(?P<run_id>[^/]+)"
+_LOG = r"(?P<name>[^/]+)"
 
 
 class _RunsHandler(APIHandler):
@@ -154,6 +157,17 @@ class StopHandler(_RunsHandler):
         self.reply(stopped)
 
 
+class LogHandler(_RunsHandler):
+    @tornado.web.authenticated
+    async def get(self, run_id: str, name: str) -> None:
+        text = await asyncio.to_thread(self.index.log, run_id, name)
+        if text is None:
+            raise tornado.web.HTTPError(404, f"no log {name} of a run {run_id} of yours")
+        self.set_header("Cache-Control", "no-store")
+        self.set_header("X-Content-Type-Options", "nosniff")  # never rendered as HTML
+        self.finish(text, set_content_type="text/plain; charset=utf-8")
+
+
 class ClearHandler(_RunsHandler):
     @tornado.web.authenticated
     async def post(self, run_id: str) -> None:
@@ -173,4 +187,5 @@ def handlers(base_url: str, index: RunsIndex) -> list[tuple[str, type, dict[str,
         (url_path_join(where, "runs", _ID, "events"), EventsHandler, options),
         (url_path_join(where, "runs", _ID, "stop"), StopHandler, options),
         (url_path_join(where, "runs", _ID, "clear"), ClearHandler, options),
+        (url_path_join(where, "runs", _ID, "logs", _LOG), LogHandler, options),
     ]

@@ -19,14 +19,13 @@ import os
 import pickle
 import re
 import shutil
-import socket
 import stat
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine import detached, host_files, wire
+from nblaunch.engine import detached, host_files
 from nblaunch.engine.background import LOST, RUNNING
 from nblaunch.errors import LaunchError
 from nblaunch.lab.files import RunFiles
@@ -38,6 +37,7 @@ from nblaunch.lab.summary import (
     lost_view,
     pool_summary,
 )
+from nblaunch.lab.watch import RunWatch
 
 # Where runs of a kernel leave their directories (the default NBLAUNCH_RUN_DIR next to a
 # notebook): in the root folder and down to two folders under it.
@@ -53,55 +53,10 @@ MAX_RECORDS = 4096
 MAX_PICTURES = 16
 # How long a stop waits for the host to say the run ended, so its reply is the state after.
 STOP_WAIT_S = 10.0
+# The end of a log the panel's links show.
+LOG_BYTES = 1 << 20
 HISTORY, RESULT = host_files.HISTORY_FILE, host_files.RESULT_FILE
 _RANK_LOG = re.compile(r"^rank\d+\.log$")
-
-
-class RunWatch:
-    """A live connection to a detached run's host, folding its events into a summary.
-
-    The host gives a new client the run's history first, then its events; the watch ends when
-    the host closes the connection (the run ended, or the host died).
-    """
-
-    def __init__(self, entry: detached.Entry) -> None:
-        self.entry = entry
-        self.summary = RunSummary()
-        self.done = threading.Event()
-        self.primed = threading.Event()  # the host's history came (or the connection ended)
-        self._sock = wire.connect(entry.socket)
-        wire.send(self._sock, wire.WATCH, None)  # a notebook, not the panel, takes the outcome
-        thread = threading.Thread(target=self._read, name=f"nblaunch-lab-{entry.run_id}")
-        thread.daemon = True
-        thread.start()
-
-    def _read(self) -> None:
-        try:
-            while (message := wire.receive(self._sock)) is not None:
-                kind, body = message
-                if kind == wire.EVENTS:
-                    self.summary.handle_many(body)
-                    self.primed.set()
-                elif kind == wire.CLOSED:
-                    break
-                # wire.OUTCOME is a cloudpickle the server need not open: the registry's state
-                # and the history say how the run ended.
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError):
-            pass  # the host went away
-        finally:
-            with contextlib.suppress(OSError):
-                self._sock.close()
-            self.primed.set()
-            self.done.set()
-
-    def stop(self) -> None:
-        """Ask the host to stop the run, as the view's Stop button does."""
-        with contextlib.suppress(OSError):
-            wire.send(self._sock, wire.STOP, None)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclasses.dataclass
@@ -248,6 +203,7 @@ class RunsIndex:
             "pid": entry.pid if entry else None,
             "function": entry.function if entry else "",
             "name": self._name(run),
+            "origin": entry.origin if entry else "",
             "run_dir": str(run.run_dir),
             "folder": self._folder(run.run_dir),
             "logs": sorted(ranks, key=lambda name: int(name[4:-4])),
@@ -360,6 +316,19 @@ class RunsIndex:
             if state == LOST and run.entry is not None:
                 view = lost_view(view, run.entry, files)
         return {**record, "view": view}
+
+    def log(self, run_id: str, name: str) -> str | None:
+        """The last ``LOG_BYTES`` of a run's log (``rank<N>.log``, ``host.log``,
+        ``metrics.jsonl``); None if the run is not listed or has no such file of ours."""
+        if not (_RANK_LOG.match(name) or name in (host_files.HOST_LOG, "metrics.jsonl")):
+            return None
+        run = self.find(run_id)
+        files = run.open(self.root_dir) if run is not None else None
+        if files is None:
+            return None
+        with files:
+            data = files.read(name, tail=LOG_BYTES)
+        return None if data is None else data.decode(errors="replace")
 
     # --- stopping and clearing -------------------------------------------------------------------
 
