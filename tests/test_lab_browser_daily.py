@@ -357,6 +357,40 @@ def test_the_list_filters_pages_and_says_when_the_server_cannot_be_reached(lab):
         shutil.rmtree(lab.work / ".nblaunch" / "runs" / name)
 
 
+SLOW_LIST = """() => {
+    // Every read of the list takes 5 s more: count how many are in flight at once.
+    const fetch = window.fetch;
+    const seen = (window.nblSlowList = { now: 0, most: 0, asked: 0, fetch });
+    window.fetch = async (...args) => {
+        const url = String(args[0] && args[0].url ? args[0].url : args[0]);
+        if (!/\\/nblaunch\\/api\\/runs(\\?|$)/.test(url)) {
+            return fetch(...args);
+        }
+        seen.asked += 1;
+        seen.now += 1;
+        seen.most = Math.max(seen.most, seen.now);
+        try {
+            await new Promise(resolve => setTimeout(resolve, 5000));
+            return await fetch(...args);
+        } finally {
+            seen.now -= 1;
+        }
+    };
+}"""
+
+
+def test_a_slow_server_is_asked_for_the_list_once_at_a_time(lab):
+    lab.show_panel()
+    lab.page.evaluate(SLOW_LIST)
+    try:
+        lab.page.wait_for_timeout(12_000)  # 6 ticks of the panel's timer
+        seen = lab.page.evaluate("() => window.nblSlowList")
+    finally:
+        lab.page.evaluate("() => { window.fetch = window.nblSlowList.fetch; }")
+    assert seen["asked"] >= 2, seen  # the patch saw the panel's reads
+    assert seen["most"] == 1, seen
+
+
 def _runs(lab: Lab) -> list[dict]:
     headers = {"Authorization": f"token {lab.token}"}
     request = urllib.request.Request(f"{lab.base}/nblaunch/api/runs", None, headers)

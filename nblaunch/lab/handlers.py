@@ -110,8 +110,6 @@ class RunHandler(_RunsHandler):
 
 
 class EventsHandler(_RunsHandler):
-    # Streams open now, in this server (the benchmark and the tests read it).
-    open_streams = 0
     _gone = False
 
     def on_connection_close(self) -> None:
@@ -119,13 +117,6 @@ class EventsHandler(_RunsHandler):
 
     @tornado.web.authenticated
     async def get(self, run_id: str) -> None:
-        EventsHandler.open_streams += 1
-        try:
-            await self._stream(run_id)
-        finally:
-            EventsHandler.open_streams -= 1
-
-    async def _stream(self, run_id: str) -> None:
         detail = await self.detail(run_id)  # a 404 before the stream starts
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-store")
