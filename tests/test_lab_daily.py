@@ -71,9 +71,18 @@ def test_a_list_of_150_ended_runs_and_60_kernel_runs_reads_in_milliseconds(
     registry = Path(os.environ["NBLAUNCH_DETACHED_DIR"])
     plant(work, registry, model_run, 150, 60, "many")
     try:
-        first = server.runs()  # reads each run once
+        first = server.runs()  # a second at most: the rest listed "pending", made meanwhile
         assert sum(run["id"].endswith("-many") for run in first.values()) == 210
         assert first[next(i for i in first if i.endswith("-many"))]["state"] == "done"
+        assert wait_until(
+            lambda: not any(run.get("pending") for run in server.runs().values()), 60, 0.5
+        )
+        whole = server.runs()
+        assert all(
+            whole[i]["devices"] == ["cpu", "cpu"]
+            for i in whole
+            if i.startswith("2") and i.endswith("-many")
+        )
         times = []
         for _ in range(5):
             began = time.perf_counter()
@@ -295,3 +304,26 @@ def test_runs_planted_by_another_user_are_not_listed_and_no_file_of_theirs_is_op
         opens.close()
         shutil.rmtree(project, ignore_errors=True)
         shutil.rmtree(work / "mistake", ignore_errors=True)
+
+
+def test_a_read_past_its_budget_lists_the_rest_pending_and_makes_them_meanwhile(
+    model_run, tmp_path, monkeypatch
+):
+    from nblaunch.lab import runs
+
+    registry = tmp_path / "registry"
+    registry.mkdir(mode=0o700)
+    plant(tmp_path / "root", registry, model_run, 5, 5, "budget")
+    monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(registry))
+    monkeypatch.setattr(runs, "LIST_BUDGET_S", 0.0)  # no time to make any
+    index = RunsIndex(tmp_path / "root")
+    try:
+        first = index.records()
+        assert len(first) == 10 and all(record["pending"] for record in first)
+        assert {r["state"] for r in first if r["detached"]} == {"done"}  # from the registry
+        assert wait_until(lambda: not any(r.get("pending") for r in index.records()), 30)
+        detached = [record for record in index.records() if record["detached"]]
+        assert all(record["devices"] == ["cpu", "cpu"] for record in detached)
+        assert all(record["last_step"] == 299 for record in index.records())
+    finally:
+        index.close()

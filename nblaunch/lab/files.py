@@ -51,6 +51,23 @@ def open_dir(parts: list[str], dir_fd: int, owned: int) -> int | None:
             os.close(fd)
 
 
+def owned_file(path: Path) -> bool:
+    """A regular file of this uid at ``path`` itself (not through a link)."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+
+
+def real_dir(path: Path) -> bool:
+    """A directory at ``path`` itself (not through a link)."""
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
 class RunFiles:
     """An open run directory of this uid; a context manager that closes it.
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import os
 import pickle
 import re
 import shutil
-import stat
 import threading
 import time
 from pathlib import Path
@@ -28,13 +26,14 @@ from typing import Any
 from nblaunch.engine import detached, host_files
 from nblaunch.engine.background import LOST, RUNNING
 from nblaunch.errors import LaunchError
-from nblaunch.lab.files import RunFiles
+from nblaunch.lab.files import RunFiles, owned_file, real_dir
 from nblaunch.lab.summary import (
     LOST_TITLE,
     RunSummary,
     brief_history,
     from_files,
     lost_view,
+    pool_holder,
     pool_summary,
 )
 from nblaunch.lab.watch import RunWatch
@@ -53,6 +52,8 @@ MAX_RECORDS = 4096
 MAX_PICTURES = 16
 # How long a stop waits for the host to say the run ended, so its reply is the state after.
 STOP_WAIT_S = 10.0
+# How long a list read makes the records of runs it has not read before (the rest: a thread).
+LIST_BUDGET_S = 1.0
 # The end of a log the panel's links show.
 LOG_BYTES = 1 << 20
 HISTORY, RESULT = host_files.HISTORY_FILE, host_files.RESULT_FILE
@@ -95,6 +96,8 @@ class RunsIndex:
         self._pictures: collections.OrderedDict[Path, tuple[Any, RunSummary]] = (
             collections.OrderedDict()
         )
+        self._later: list[Found] = []  # runs whose records a thread makes
+        self._maker: threading.Thread | None = None
 
     # --- finding ---------------------------------------------------------------------------------
 
@@ -105,7 +108,7 @@ class RunsIndex:
             found = detached.entries()
         except LaunchError:
             return []  # a registry that is not ours lists nothing
-        return [entry for entry in found if _owned_file(registry / f"{entry.run_id}.json")]
+        return [entry for entry in found if owned_file(registry / f"{entry.run_id}.json")]
 
     def run_dirs(self) -> list[Path]:
         """Run directories under the root folder, newest first (what they hold is checked as
@@ -126,7 +129,7 @@ class RunsIndex:
             below = []
             for folder in folders:
                 base = folder / RUN_BASE
-                if _real_dir(folder / RUN_BASE.parts[0]) and _real_dir(base):
+                if real_dir(folder / RUN_BASE.parts[0]) and real_dir(base):
                     bases.append(base)
                 if depth < 2:
                     with contextlib.suppress(OSError), os.scandir(folder) as entries:
@@ -162,75 +165,85 @@ class RunsIndex:
         return found
 
     def records(self) -> list[dict[str, Any]]:
-        """Every run and pool, as the list shows them."""
+        """Every run and pool, as the list shows them.
+
+        A read makes what it shows of runs it has not read before for ``LIST_BUDGET_S`` at
+        most (hundreds of ended runs after the server started take seconds: each history is
+        unpickled once); the others are listed from their entry and files (``"pending"``) and
+        made by a thread meanwhile, for the next read.
+        """
         found = self.found()
         self._forget_unlisted({run.run_id for run in found if run.entry is not None})
-        records = []
+        records, later = [], []
+        deadline = time.monotonic() + LIST_BUDGET_S
         for run in found:
             files = run.open(self.root_dir)
             if files is not None:
                 with files:
-                    records.append(self._record(run, files, files.stats()))
+                    record = self._record(run, files, files.stats(), time.monotonic() < deadline)
+                records.append(record)
+                if record.get("pending"):
+                    later.append(run)
+        if later:
+            self._make_later(later)
         return records
+
+    def _make_later(self, runs: list[Found]) -> None:
+        """Make the records of ``runs`` on a thread (one at a time), for the next read."""
+        with self._lock:
+            self._later = runs
+            if self._maker is not None and self._maker.is_alive():
+                return  # it takes the new list when it is done with its run
+            self._maker = threading.Thread(target=self._make_records, name="nblaunch-lab-list")
+            self._maker.daemon = True
+            self._maker.start()
+
+    def _make_records(self) -> None:
+        while True:
+            with self._lock:
+                if not self._later:
+                    return
+                run = self._later.pop(0)
+            files = run.open(self.root_dir)
+            if files is not None:
+                with files:
+                    self._record(run, files, files.stats())
 
     # --- records ---------------------------------------------------------------------------------
 
     def _record(
-        self, run: Found, files: RunFiles, stats: dict[str, os.stat_result]
+        self,
+        run: Found,
+        files: RunFiles,
+        stats: dict[str, os.stat_result],
+        make: bool = True,
     ) -> dict[str, Any]:
+        """What the list shows of ``run``; ``make=False``: only if it is kept, else a pending
+        record (from its entry and files only)."""
         entry = run.entry
         state = entry.live_state if entry else (RUNNING if files.is_live() else "")
         key = (state, sorted((name, s.st_mtime_ns, s.st_size) for name, s in stats.items()))
         cached = self._records.get(run.run_dir)
         if state != RUNNING and cached is not None and cached[0] == key:
-            self._records.move_to_end(run.run_dir)
+            with contextlib.suppress(KeyError):  # another thread may have let it go
+                self._records.move_to_end(run.run_dir)
             return cached[1]
+        if state != RUNNING and not make:
+            return {
+                **_fields(self.root_dir, run, files, stats, state or "ended", None),
+                "pending": True,
+            }
         summary = self._summary(run, files, stats, state, brief=True)
         if not state:
             ended = summary.ended
             state = "ended" if ended is None else "done" if ended["ok"] else "failed"
-        ranks = [name for name in stats if _RANK_LOG.match(name)]
-        pool = entry is not None and entry.kind == "pool"
-        record = {
-            "id": run.run_id,
-            "kind": entry.kind if entry else "run",
-            "detached": entry is not None,
-            "state": state,
-            "ranks": entry.world_size if entry else len(ranks),
-            "devices": summary.devices(),
-            "cause": LOST_TITLE if state == LOST else summary.root_cause(),
-            "last_step": summary.last_step,
-            "pid": entry.pid if entry else None,
-            "function": entry.function if entry else "",
-            "name": self._name(run),
-            "origin": entry.origin if entry else "",
-            "run_dir": str(run.run_dir),
-            "folder": self._folder(run.run_dir),
-            "logs": sorted(ranks, key=lambda name: int(name[4:-4])),
-            "started": entry.started_at if entry else _started_at(run.run_dir, files),
-            "ended": None if state == RUNNING else _ended_at(stats),
-            "holder": _holder(files) if pool and state == RUNNING else None,
-        }
+        record = _fields(self.root_dir, run, files, stats, state, summary)
         if state != RUNNING:
             self._records[run.run_dir] = (key, record)
             while len(self._records) > MAX_RECORDS:
-                self._records.popitem(last=False)
+                with contextlib.suppress(KeyError):
+                    self._records.popitem(last=False)
         return record
-
-    def _name(self, run: Found) -> str:
-        """What the run runs, as the list names it first."""
-        if run.entry is not None and run.entry.kind == "pool":
-            return "pool"
-        if run.entry is not None and run.entry.function:
-            return run.entry.function
-        return "a kernel's run" if run.entry is None else "a detached run"
-
-    def _folder(self, run_dir: Path) -> str | None:
-        """The run directory relative to the root folder (where Lab's file browser opens it)."""
-        try:
-            return run_dir.relative_to(self.root_dir).as_posix()
-        except ValueError:
-            return None
 
     # --- pictures --------------------------------------------------------------------------------
 
@@ -403,39 +416,61 @@ class RunsIndex:
             self._watches.clear()
 
 
+def _fields(
+    root: Path,
+    run: Found,
+    files: RunFiles,
+    stats: dict[str, os.stat_result],
+    state: str,
+    summary: RunSummary | None,
+) -> dict[str, Any]:
+    """What the list shows of a run (``summary``: None for a pending one)."""
+    entry = run.entry
+    ranks = [name for name in stats if _RANK_LOG.match(name)]
+    pool = entry is not None and entry.kind == "pool"
+    return {
+        "id": run.run_id,
+        "kind": entry.kind if entry else "run",
+        "detached": entry is not None,
+        "state": state,
+        "ranks": entry.world_size if entry else len(ranks),
+        "devices": summary.devices() if summary else [],
+        "cause": LOST_TITLE if state == LOST else summary.root_cause() if summary else "",
+        "last_step": summary.last_step if summary else None,
+        "pid": entry.pid if entry else None,
+        "function": entry.function if entry else "",
+        "name": _name(run),
+        "origin": entry.origin if entry else "",
+        "run_dir": str(run.run_dir),
+        "folder": _folder(root, run.run_dir),
+        "logs": sorted(ranks, key=lambda name: int(name[4:-4])),
+        "started": entry.started_at if entry else _started_at(run.run_dir, files),
+        "ended": None if state == RUNNING else _ended_at(stats),
+        "holder": pool_holder(files) if pool and state == RUNNING else None,
+    }
+
+
+def _name(run: Found) -> str:
+    """What the run runs, as the list names it first."""
+    if run.entry is not None and run.entry.kind == "pool":
+        return "pool"
+    if run.entry is not None and run.entry.function:
+        return run.entry.function
+    return "a kernel's run" if run.entry is None else "a detached run"
+
+
+def _folder(root: Path, run_dir: Path) -> str | None:
+    """The run directory relative to the root folder (where Lab's file browser opens it)."""
+    try:
+        return run_dir.relative_to(root).as_posix()
+    except ValueError:
+        return None
+
+
 _KERNEL_RUN = (
     "this run belongs to a kernel, not to a run host: stop it from its notebook "
     "(the view's Stop button, or interrupt the kernel)"
 )
-
-
-def _owned_file(path: Path) -> bool:
-    """A regular file of this uid at ``path`` itself (not through a link)."""
-    try:
-        info = path.lstat()
-    except OSError:
-        return False
-    return stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
-
-
-def _real_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(path.lstat().st_mode)
-    except OSError:
-        return False
-
-
-def _holder(files: RunFiles) -> dict[str, Any] | None:
-    """The process a detached pool's host serves now (a kernel), while it lives."""
-    try:
-        holder = json.loads(files.read(host_files.HOLDER_FILE) or b"null")
-    except ValueError:
-        return None
-    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
-        return None
-    if not os.path.exists(f"/proc/{holder['pid']}"):
-        return None
-    return {"pid": holder["pid"], "since": holder.get("since")}
 
 
 def _ended_at(stats: dict[str, os.stat_result]) -> float | None:

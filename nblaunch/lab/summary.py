@@ -19,7 +19,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from nblaunch.engine.host_files import HOST_LOG, POOL_FILE
+from nblaunch.engine.host_files import HOLDER_FILE, HOST_LOG, POOL_FILE
 from nblaunch.engine.lost_runs import lost_why
 from nblaunch.engine.metrics_files import METRICS_FILE
 from nblaunch.events import Event, checking_mode
@@ -248,6 +248,19 @@ def pool_summary(files: RunFiles) -> RunSummary:
         events.append({"kind": "state", "rank": rank, "state": "RUNNING" if alive else "STOPPED"})
     summary.handle_many(events)
     return summary
+
+
+def pool_holder(files: RunFiles) -> dict[str, Any] | None:
+    """The process a detached pool's host serves now (a kernel), while it lives."""
+    try:
+        holder = json.loads(files.read(HOLDER_FILE) or b"null")
+    except ValueError:
+        return None
+    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+        return None
+    if not os.path.exists(f"/proc/{holder['pid']}"):
+        return None
+    return {"pid": holder["pid"], "since": holder.get("since")}
 
 
 LOST_TITLE = "the run is lost: its host ended without an outcome"
