@@ -124,7 +124,7 @@ def test_a_run_whose_name_has_a_space_an_equals_a_plus_and_an_umlaut_opens(lab_s
     run_dir.mkdir(parents=True)
     (run_dir / "rank0.log").write_text("step 0\n")
     try:
-        assert run_dir.name in server.runs()
+        assert server.runs()[run_dir.name]["origin"] == "the root folder"  # its notebook's
         quoted = urllib.parse.quote(run_dir.name, safe="")
         code, detail = server.request(f"/nblaunch/api/runs/{quoted}")
         assert code == 200 and detail["view"]["ranks"]["0"]["lines"] == ["step 0"]
@@ -177,7 +177,7 @@ def test_a_lost_run_says_why_and_its_ranks_are_lost_with_it(lab_server):
     os.kill(pid, signal.SIGKILL)  # the host dies; its ranks follow it
     assert wait_until(lambda: server.runs()[run_id]["state"] == "lost", 30)
     run = server.runs()[run_id]
-    assert "lost" in run["cause"]
+    assert "lost" in run["cause"] and run["origin"] == "train.py"
     _, detail = server.request(f"/nblaunch/api/runs/{run_id}")
     assert {rank["state"] for rank in detail["view"]["ranks"].values()} == {"LOST"}
     (why,) = [d for d in detail["view"]["diagnoses"] if "lost" in d["title"]]

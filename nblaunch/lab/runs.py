@@ -15,7 +15,6 @@ import collections
 import contextlib
 import dataclasses
 import os
-import pickle
 import re
 import shutil
 import threading
@@ -30,8 +29,8 @@ from nblaunch.lab.files import RunFiles, owned_file, real_dir
 from nblaunch.lab.summary import (
     LOST_TITLE,
     RunSummary,
-    brief_history,
     from_files,
+    from_history,
     lost_view,
     pool_holder,
     pool_summary,
@@ -263,7 +262,7 @@ class RunsIndex:
             if watch is not None:
                 return watch.summary
             if HISTORY in stats:
-                return self._history(files, brief) or from_files(files)
+                return from_history(files, brief) or from_files(files)
         if entry is not None and entry.kind == "pool" and state == RUNNING:
             return pool_summary(files)
         return from_files(files, "RUNNING" if state == RUNNING else "ENDED", brief)
@@ -287,22 +286,6 @@ class RunsIndex:
                 watch.close()
                 return None
             return watch  # live; or a host that died: what it sent is all there is
-
-    def _history(self, files: RunFiles, brief: bool) -> RunSummary | None:
-        """The picture from the host's ``history.pkl`` (a pickle of plain event dicts, in a
-        directory of this user's, read as ``files`` allows)."""
-        data = files.read(HISTORY)
-        if data is None:
-            return None
-        try:
-            events = pickle.loads(data)
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError):
-            return None
-        if brief:
-            return brief_history(events)
-        summary = RunSummary()
-        summary.handle_many(events)
-        return summary
 
     def detail(self, run_id: str) -> dict[str, Any] | None:
         """What the run's panel shows: its list record and its picture; None if not listed."""
@@ -440,7 +423,7 @@ def _fields(
         "pid": entry.pid if entry else None,
         "function": entry.function if entry else "",
         "name": _name(run),
-        "origin": entry.origin if entry else "",
+        "origin": entry.origin if entry else _notebook_folder(root, run.run_dir),
         "run_dir": str(run.run_dir),
         "folder": _folder(root, run.run_dir),
         "logs": sorted(ranks, key=lambda name: int(name[4:-4])),
@@ -457,6 +440,12 @@ def _name(run: Found) -> str:
     if run.entry is not None and run.entry.function:
         return run.entry.function
     return "a kernel's run" if run.entry is None else "a detached run"
+
+
+def _notebook_folder(root: Path, run_dir: Path) -> str:
+    """Where a kernel's run came from: the folder of its notebook (it holds .nblaunch/runs)."""
+    folder = _folder(root, run_dir.parent.parent.parent)
+    return f"{folder}/" if folder not in (None, ".") else "the root folder"
 
 
 def _folder(root: Path, run_dir: Path) -> str | None:

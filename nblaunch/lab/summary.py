@@ -14,12 +14,13 @@ import collections
 import contextlib
 import json
 import os
+import pickle
 import re
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from nblaunch.engine.host_files import HOLDER_FILE, HOST_LOG, POOL_FILE
+from nblaunch.engine.host_files import HISTORY_FILE, HOLDER_FILE, HOST_LOG, POOL_FILE
 from nblaunch.engine.lost_runs import lost_why
 from nblaunch.engine.metrics_files import METRICS_FILE
 from nblaunch.events import Event, checking_mode
@@ -218,6 +219,24 @@ def from_files(files: RunFiles, rank_state: str = "ENDED", brief: bool = False) 
                     "time": row["time"],
                 }
             )
+    return summary
+
+
+def from_history(files: RunFiles, brief: bool = False) -> RunSummary | None:
+    """The picture from the host's ``history.pkl`` (a pickle of plain event dicts, in a
+    directory of this user's, read as ``files`` allows); None without a readable one.
+    ``brief``: what a list shows only (:func:`brief_history`)."""
+    data = files.read(HISTORY_FILE)
+    if data is None:
+        return None
+    try:
+        events = pickle.loads(data)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError):
+        return None
+    if brief:
+        return brief_history(events)
+    summary = RunSummary()
+    summary.handle_many(events)
     return summary
 
 
