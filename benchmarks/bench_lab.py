@@ -122,6 +122,24 @@ def list_reads(root: Path) -> tuple[float, float, float, float, int]:
     return first, whole, statistics.median(times), max(times), len(listed)
 
 
+def stop_host(pid: int) -> None:
+    """End a run host that is still there (one that stopped may still write its outcome):
+    SIGTERM, 15 s, SIGKILL. Its directory must not go first: it would wait for a notebook."""
+
+    def alive() -> bool:
+        with contextlib.suppress(OSError):
+            return b"nblaunch.host" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return False
+
+    if alive():
+        os.kill(pid, 15)
+    deadline = time.monotonic() + 15
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive():
+        os.kill(pid, 9)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -251,11 +269,9 @@ def main() -> None:
             server.terminate()
             server.wait(15)
     finally:
-        for path in registry.glob("*.json"):  # no host outlives the benchmark
-            entry = json.loads(path.read_text())
-            if entry["state"] == "running":
-                with contextlib.suppress(OSError):
-                    os.kill(entry["pid"], 15)
+        for path in registry.glob("*.json"):  # no host outlives the benchmark (nor its dir)
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                stop_host(json.loads(path.read_text())["pid"])
         shutil.rmtree(base, ignore_errors=True)
     text = "\n".join(rows) + "\n"
     if args.out != "-":

@@ -371,6 +371,10 @@ class RunsIndex:
             state = run.entry.live_state if run.entry else RUNNING if files.is_live() else ""
             if state in (RUNNING, detached.STARTING) or files.is_live():
                 return {"cleared": False, "why": "it is still running: stop it first"}
+            if run.entry is not None and detached.host_alive(run.entry.pid):
+                # A stopped run's host still writes its outcome: without its directory it
+                # would keep the outcome for a notebook that never comes.
+                return {"cleared": False, "why": "its host is still ending: try again"}
         parent = RunFiles.open(run.run_dir.parent, under=None)
         if parent is None:
             return {"cleared": False, "why": f"cannot open {run.run_dir.parent}"}
