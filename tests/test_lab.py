@@ -232,7 +232,7 @@ def test_a_detached_run_is_listed_watched_live_and_stopped(lab_server):
     assert first["state"] == "running"
     assert next_event(stream)["view"]["version"] > first["view"]["version"]
     code, stopped = server.request(f"/nblaunch/api/runs/{run_id}/stop", "POST")
-    assert code == 200 and stopped == {"stopped": True, "state": "running"}
+    assert code == 200 and stopped == {"stopped": True, "state": "stopped"}  # after the stop
     events = []
     while (event := next_event(stream)) is not None:  # bounded: the socket's 30 s timeout
         events.append(event)
@@ -329,7 +329,7 @@ def test_a_detached_pool_is_listed_with_the_kernel_that_holds_it_and_stopped(lab
         code, detail = server.request(f"/nblaunch/api/runs/{pool_id}")
         assert detail["holder"]["kernel"]["path"] == "train.ipynb"
         code, stopped = server.request(f"/nblaunch/api/runs/{pool_id}/stop", "POST")
-        assert stopped == {"stopped": True, "state": "running"}
+        assert stopped == {"stopped": True, "state": "stopped"}
         assert wait_until(lambda: server.runs()[pool_id]["state"] == "stopped", 30)
         assert server.runs()[pool_id]["holder"] is None
     finally:

@@ -102,6 +102,7 @@ def test_the_panel_lists_a_detached_run_shows_it_live_and_stops_it(lab, tmp_path
             shot = picture("lab-panel.png", tmp_path)
             page.screenshot(path=str(shot))
             view.locator(".nbl-lab-stop").click()
+            page.locator(".jp-Dialog .jp-mod-accept").click()  # Stop asks first
             expect(view.locator(".nbl-lab-run-state")).to_have_text("STOPPED", timeout=30_000)
             expect(view.locator(".nbl-lab-stop")).to_have_count(0)
             expect(row).to_contain_text("stopped", timeout=10_000)
@@ -110,6 +111,12 @@ def test_the_panel_lists_a_detached_run_shows_it_live_and_stops_it(lab, tmp_path
             grid = page.locator(f"#nblaunch-run-{many.name} .nbl-lab-grid .nbl-lab-cell")
             expect(grid).to_have_count(12, timeout=30_000)
             assert "rank 11 step 1" in (grid.last.get_attribute("title") or "")
+            # A run's log opens in a browser tab from its view.
+            row.click()
+            with page.expect_popup() as popup:
+                view.locator(".nbl-lab-log-link", has_text="rank1.log").click()
+            popup.value.wait_for_load_state()
+            assert "step 1\n" in popup.value.locator("body").inner_text()
             # The view followed the run's event stream; it never fell back to asking each second.
             assert [url for url in asked if f"/runs/{run_id}/events" in url]
             assert not [url for url in asked if "?since=" in url]

@@ -83,6 +83,7 @@ def run_detached(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
         world_size=plan.world_size,
         state=Lifecycle.RUNNING,
         function=launch.get("function", ""),
+        origin=launch.get("origin", ""),
     )
     signal.signal(signal.SIGTERM, lambda *_: run.request_stop())
     server.start()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import pickle
 import queue
@@ -77,6 +78,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
         started_at=time.time(),
         world_size=0,
         state=Lifecycle.RUNNING,
+        origin=launch.get("origin", ""),
     )
     try:
         pool.start()
@@ -88,6 +90,7 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     server.on_holder = lambda pid: pool_holder.write_holder(run_dir, pid)  # the runs panel shows it
     entry.world_size = pool.world_size
     entry.write()
+    _write_ranks(run_dir, pool)
     print(f"pool host {os.getpid()} serving {entry.run_id} on {server.path}", flush=True)
     try:
         why = server.serve()
@@ -109,6 +112,20 @@ def serve_pool(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     entry.write()
     print(f"pool host {os.getpid()}: the pool ended ({why})", flush=True)
     return 0
+
+
+def _write_ranks(run_dir: Path, pool: PoolEngine) -> None:
+    """Say which processes the pool's ranks are, on what, for the runs panel (best effort)."""
+    if pool.engine is None:
+        return
+    plan = pool.engine.plan
+    # a rank's device as its "started" event names it: cpu, or <type>:<local rank>
+    per_node = getattr(plan, "nproc_per_node", None) or plan.world_size  # a multi-node plan's
+    kind = plan.device_type
+    devices = [kind if kind == "cpu" else f"{kind}:{r % per_node}" for r in range(len(pool.pids))]
+    with contextlib.suppress(OSError):
+        data = json.dumps({"pids": pool.pids, "devices": devices}).encode()
+        write_private(run_dir / host_files.POOL_FILE, data)
 
 
 def pool_info(pool: PoolEngine) -> dict[str, Any]:
@@ -221,6 +238,7 @@ class PoolServer:
                 self.pool.restart()
             except Exception as exc:
                 error = exc
+            _write_ranks(Path(self.pool.options.run_dir), self.pool)
             wire.send(sock, INFO, {**pool_info(self.pool), "error": error})
         elif kind == CLOSE:
             return True

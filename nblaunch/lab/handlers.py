@@ -6,7 +6,11 @@
   pool's holder) is still ``TAG``;
 - ``GET /nblaunch/api/runs/<id>/events``: the same picture as server-sent events, one at each
   change, until the run ended (the server is fed by the host's socket; the panel follows this);
-- ``POST /nblaunch/api/runs/<id>/stop``: what ``nblaunch runs stop ID`` does.
+- ``POST /nblaunch/api/runs/<id>/stop``: what ``nblaunch runs stop ID`` does; the reply has the
+  state after the stop;
+- ``POST /nblaunch/api/runs/<id>/clear``: removes an ended run's directory (and its entry);
+- ``GET /nblaunch/api/runs/<id>/logs/<name>``: the end of a rank log, ``host.log`` or
+  ``metrics.jsonl`` as plain text (the run directories are hidden from Jupyter's contents).
 
 An id the list does not show (another user's run, or none) is 404 on both.
 """
@@ -30,7 +34,10 @@ API = "nblaunch/api"
 # at most (the panel opens another).
 STREAM_STEP_S = 0.25
 STREAM_LIMIT_S = 3600.0
-_ID = r"(?P<run_id>[A-Za-z0-9_.\-]+)"
+# Any name a run directory may have (a space, "=", "+", non-ASCII: the panel encodes it and
+# the router decodes it); the id is then only compared with the names the list shows.
+_ID = r"(?P<run_id>[^/]+)"
+_LOG = r"(?P<name>[^/]+)"
 
 
 class _RunsHandler(APIHandler):
@@ -103,6 +110,11 @@ class RunHandler(_RunsHandler):
 
 
 class EventsHandler(_RunsHandler):
+    _gone = False
+
+    def on_connection_close(self) -> None:
+        self._gone = True  # the page closed the view: end the stream now, not at its next change
+
     @tornado.web.authenticated
     async def get(self, run_id: str) -> None:
         detail = await self.detail(run_id)  # a 404 before the stream starts
@@ -116,9 +128,11 @@ class EventsHandler(_RunsHandler):
                     self.write(f"data: {json.dumps(detail)}\n\n")
                     await self.flush()
                     sent = detail["tag"]
-                if detail["state"] != "running" or time.monotonic() > deadline:
+                if detail["state"] != "running" or time.monotonic() > deadline or self._gone:
                     break
                 await asyncio.sleep(STREAM_STEP_S)
+                if self._gone:
+                    return
                 detail = await self.detail(run_id)
         except (tornado.iostream.StreamClosedError, tornado.web.HTTPError):
             return  # the page went away, or the run's directory did
@@ -127,11 +141,31 @@ class EventsHandler(_RunsHandler):
 
 class StopHandler(_RunsHandler):
     @tornado.web.authenticated
-    def post(self, run_id: str) -> None:
-        stopped = self.index.stop(run_id)
+    async def post(self, run_id: str) -> None:
+        stopped = await asyncio.to_thread(self.index.stop, run_id)  # it waits for the host
         if stopped is None:
             raise tornado.web.HTTPError(404, f"no run {run_id} of yours is listed")
         self.reply(stopped)
+
+
+class LogHandler(_RunsHandler):
+    @tornado.web.authenticated
+    async def get(self, run_id: str, name: str) -> None:
+        text = await asyncio.to_thread(self.index.log, run_id, name)
+        if text is None:
+            raise tornado.web.HTTPError(404, f"no log {name} of a run {run_id} of yours")
+        self.set_header("Cache-Control", "no-store")
+        self.set_header("X-Content-Type-Options", "nosniff")  # never rendered as HTML
+        self.finish(text, set_content_type="text/plain; charset=utf-8")
+
+
+class ClearHandler(_RunsHandler):
+    @tornado.web.authenticated
+    async def post(self, run_id: str) -> None:
+        cleared = await asyncio.to_thread(self.index.clear, run_id)
+        if cleared is None:
+            raise tornado.web.HTTPError(404, f"no run {run_id} of yours is listed")
+        self.reply(cleared)
 
 
 def handlers(base_url: str, index: RunsIndex) -> list[tuple[str, type, dict[str, Any]]]:
@@ -143,4 +177,6 @@ def handlers(base_url: str, index: RunsIndex) -> list[tuple[str, type, dict[str,
         (url_path_join(where, "runs", _ID), RunHandler, options),
         (url_path_join(where, "runs", _ID, "events"), EventsHandler, options),
         (url_path_join(where, "runs", _ID, "stop"), StopHandler, options),
+        (url_path_join(where, "runs", _ID, "clear"), ClearHandler, options),
+        (url_path_join(where, "runs", _ID, "logs", _LOG), LogHandler, options),
     ]

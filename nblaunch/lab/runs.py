@@ -11,91 +11,74 @@ run as root reads every file).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import os
-import pickle
-import socket
+import re
+import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine.detached import host_files, pool_holder, wire
+from nblaunch.engine.detached import host_files
 from nblaunch.engine.detached import registry as detached
-from nblaunch.engine.plan.run_dirs import is_live
 from nblaunch.errors import LaunchError
 from nblaunch.events import Lifecycle
-from nblaunch.lab.summary import RunSummary, from_files
+from nblaunch.lab.files import RunFiles, owned_file, real_dir
+from nblaunch.lab.summary import (
+    LOST_TITLE,
+    RunSummary,
+    from_files,
+    from_history,
+    lost_view,
+    pool_holder,
+    pool_summary,
+)
+from nblaunch.lab.watch import RunWatch
 
-# Where runs of a kernel leave their directories, relative to the root folder (the default
-# NBLAUNCH_RUN_DIR next to a notebook), down to two folders under the root.
-RUN_DIR_PATTERNS = (".nblaunch/runs/*", "*/.nblaunch/runs/*", "*/*/.nblaunch/runs/*")
+# Where runs of a kernel leave their directories (the default NBLAUNCH_RUN_DIR next to a
+# notebook): in the root folder and down to two folders under it.
+RUN_BASE = Path(".nblaunch/runs")
 # Most run directories listed from the root folder (the newest).
 MAX_LISTED = 200
 # How long a new watch waits for the host's history, so a first answer is not a blank picture
 # (the host sends it at once; this bounds a host that hangs).
 WATCH_PRIME_S = 1.0
-# An ended run's picture is kept while its files do not change; this many at most.
-MAX_CACHED = 64
+# What the list shows of an ended run is kept while its files do not change, for this many
+# runs at most (each a few hundred bytes); the whole pictures of this many (each up to ~1 MB).
+MAX_RECORDS = 4096
+MAX_PICTURES = 16
+# How long a stop waits for the host to say the run ended, so its reply is the state after.
+STOP_WAIT_S = 10.0
+# How long a list read makes the records of runs it has not read before (the rest: a thread).
+LIST_BUDGET_S = 1.0
+# The end of a log the panel's links show.
+LOG_BYTES = 1 << 20
+HISTORY, RESULT = host_files.HISTORY_FILE, host_files.RESULT_FILE
+_RANK_LOG = re.compile(r"^rank\d+\.log$")
 
 
-def owned(path: Path) -> bool:
-    """True when ``path`` exists and belongs to the user the server runs as."""
-    try:
-        return path.stat().st_uid == os.getuid()
-    except OSError:
-        return False
+@dataclasses.dataclass
+class Found:
+    """A run the list shows: its id and directory, and its registry entry if it is detached."""
 
+    run_id: str
+    run_dir: Path
+    entry: detached.Entry | None
 
-class RunWatch:
-    """A live connection to a detached run's host, folding its events into a summary.
-
-    The host gives a new client the run's history first, then its events; the watch ends when
-    the host closes the connection (the run ended, or the host died).
-    """
-
-    def __init__(self, entry: detached.Entry) -> None:
-        self.entry = entry
-        self.summary = RunSummary()
-        self.done = threading.Event()
-        self.primed = threading.Event()  # the host's history came (or the connection ended)
-        self._sock = wire.connect(entry.socket)
-        wire.send(self._sock, wire.WATCH, None)  # a notebook, not the panel, takes the outcome
-        thread = threading.Thread(target=self._read, name=f"nblaunch-lab-{entry.run_id}")
-        thread.daemon = True
-        thread.start()
-
-    def _read(self) -> None:
-        try:
-            while (message := wire.receive(self._sock)) is not None:
-                kind, body = message
-                if kind == wire.EVENTS:
-                    self.summary.handle_many(body)
-                    self.primed.set()
-                elif kind == wire.CLOSED:
-                    break
-                # wire.OUTCOME is a cloudpickle the server need not open: the registry's state
-                # and the history say how the run ended.
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError):
-            pass  # the host went away
-        finally:
-            with contextlib.suppress(OSError):
-                self._sock.close()
-            self.primed.set()
-            self.done.set()
-
-    def stop(self) -> None:
-        """Ask the host to stop the run, as the view's Stop button does."""
-        with contextlib.suppress(OSError):
-            wire.send(self._sock, wire.STOP, None)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+    def open(self, root: Path) -> RunFiles | None:
+        """Its directory, opened as :mod:`nblaunch.lab.files` allows (None: gone, not ours)."""
+        return RunFiles.open(self.run_dir, under=None if self.entry else root)
 
 
 class RunsIndex:
     """The runs of this user that the panel shows, found afresh at each request.
+
+    What a list shows of an ended run is made once and kept while its files' modification
+    times and sizes stay the same (up to ``MAX_RECORDS`` runs, the least recently listed
+    forgotten first); a run's whole picture, for its view, is kept for ``MAX_PICTURES`` runs.
 
     Parameters
     ----------
@@ -107,213 +90,311 @@ class RunsIndex:
         self.root_dir = Path(root_dir).expanduser().resolve()
         self._lock = threading.Lock()
         self._watches: dict[str, RunWatch] = {}
-        self._ended: dict[Path, tuple[float, RunSummary]] = {}
-        self._dir_records: dict[Path, tuple[float, dict[str, Any]]] = {}
+        self._records: collections.OrderedDict[Path, tuple[Any, dict[str, Any]]] = (
+            collections.OrderedDict()
+        )
+        self._pictures: collections.OrderedDict[Path, tuple[Any, RunSummary]] = (
+            collections.OrderedDict()
+        )
+        self._later: list[Found] = []  # runs whose records a thread makes
+        self._maker: threading.Thread | None = None
 
     # --- finding ---------------------------------------------------------------------------------
 
     def entries(self) -> list[detached.Entry]:
-        """The user's detached runs and pools: entries and directories of this uid only."""
+        """The user's detached runs and pools: entries of this uid, not links, only."""
         try:
             registry = detached.registry_dir()
             found = detached.entries()
         except LaunchError:
             return []  # a registry that is not ours lists nothing
-        return [
-            entry
-            for entry in found
-            if owned(registry / f"{entry.run_id}.json") and owned(entry.run_dir)
-        ]
+        return [entry for entry in found if owned_file(registry / f"{entry.run_id}.json")]
 
     def run_dirs(self) -> list[Path]:
-        """Run directories of this uid under the root folder, newest first."""
+        """Run directories under the root folder, newest first (what they hold is checked as
+        they are opened: :class:`~nblaunch.lab.files.RunFiles`)."""
         found: list[Path] = []
-        for pattern in RUN_DIR_PATTERNS:
-            found.extend(path for path in self.root_dir.glob(pattern) if path.is_dir())
-        found.sort(key=lambda path: path.name, reverse=True)  # the names sort by time
-        return [path for path in found[: MAX_LISTED * 2] if owned(path)][:MAX_LISTED]
+        for base in self._run_bases():
+            with contextlib.suppress(OSError), os.scandir(base) as entries:
+                found.extend(
+                    base / entry.name for entry in entries if entry.is_dir(follow_symlinks=False)
+                )
+        found.sort(key=lambda path: path.name, reverse=True)  # nblaunch's names sort by time
+        return found[:MAX_LISTED]
+
+    def _run_bases(self) -> list[Path]:
+        """``.nblaunch/runs`` in the root folder and up to two folders down, no link followed."""
+        bases, folders = [], [self.root_dir]
+        for depth in range(3):
+            below = []
+            for folder in folders:
+                base = folder / RUN_BASE
+                if real_dir(folder / RUN_BASE.parts[0]) and real_dir(base):
+                    bases.append(base)
+                if depth < 2:
+                    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+                        below.extend(
+                            folder / e.name
+                            for e in entries
+                            if e.name != RUN_BASE.parts[0] and e.is_dir(follow_symlinks=False)
+                        )
+            folders = below
+        return bases
+
+    def found(self) -> list[Found]:
+        """Every run and pool the list shows: detached ones first, then the root's, newest
+        first (a detached run under the root is listed once)."""
+        entries = self.entries()
+        runs = [Found(entry.run_id, entry.run_dir, entry) for entry in entries]
+        seen = {str(entry.run_dir) for entry in entries}
+        runs += [Found(d.name, d, None) for d in self.run_dirs() if str(d) not in seen]
+        return runs
+
+    def find(self, run_id: str) -> Found | None:
+        """The run the list shows as ``run_id``, if it does (its directory one of ours)."""
+        found = next(
+            (Found(run_id, e.run_dir, e) for e in self.entries() if e.run_id == run_id), None
+        )
+        if found is None:
+            dirs = (Found(run_id, d, None) for d in self.run_dirs() if d.name == run_id)
+            found = next(dirs, None)
+        files = found.open(self.root_dir) if found is not None else None
+        if files is None:
+            return None
+        files.close()
+        return found
 
     def records(self) -> list[dict[str, Any]]:
-        """Every run and pool, as the list shows them: detached ones first, newest first."""
-        records, seen = [], set()
-        entries = self.entries()
-        self._forget_unlisted({entry.run_id for entry in entries})
-        for entry in entries:
-            records.append(self._entry_record(entry))
-            seen.add(entry.run_dir.resolve())
-        for run_dir in self.run_dirs():
-            if not seen or run_dir.resolve() not in seen:
-                records.append(self._dir_record(run_dir))
+        """Every run and pool, as the list shows them.
+
+        A read makes what it shows of runs it has not read before for ``LIST_BUDGET_S`` at
+        most (hundreds of ended runs after the server started take seconds: each history is
+        unpickled once); the others are listed from their entry and files (``"pending"``) and
+        made by a thread meanwhile, for the next read.
+        """
+        found = self.found()
+        self._forget_unlisted({run.run_id for run in found if run.entry is not None})
+        records, later = [], []
+        deadline = time.monotonic() + LIST_BUDGET_S
+        for run in found:
+            files = run.open(self.root_dir)
+            if files is not None:
+                with files:
+                    record = self._record(run, files, files.stats(), time.monotonic() < deadline)
+                records.append(record)
+                if record.get("pending"):
+                    later.append(run)
+        if later:
+            self._make_later(later)
         return records
 
-    def find(self, run_id: str) -> tuple[detached.Entry | None, Path] | None:
-        """The entry (None for a run of a kernel) and directory of ``run_id``, if it is listed."""
-        for entry in self.entries():
-            if entry.run_id == run_id:
-                return entry, entry.run_dir
-        for run_dir in self.run_dirs():
-            if run_dir.name == run_id:
-                return None, run_dir
-        return None
+    def _make_later(self, runs: list[Found]) -> None:
+        """Make the records of ``runs`` on a thread (one at a time), for the next read."""
+        with self._lock:
+            self._later = runs
+            if self._maker is not None and self._maker.is_alive():
+                return  # it takes the new list when it is done with its run
+            self._maker = threading.Thread(target=self._make_records, name="nblaunch-lab-list")
+            self._maker.daemon = True
+            self._maker.start()
+
+    def _make_records(self) -> None:
+        while True:
+            with self._lock:
+                if not self._later:
+                    return
+                run = self._later.pop(0)
+            files = run.open(self.root_dir)
+            if files is not None:
+                with files:
+                    self._record(run, files, files.stats())
 
     # --- records ---------------------------------------------------------------------------------
 
-    def _entry_record(self, entry: detached.Entry) -> dict[str, Any]:
-        state = entry.live_state
-        summary = self.summary_of(entry, entry.run_dir) if entry.kind == "run" else None
-        return {
-            **self._base(entry.run_id, entry.run_dir, summary),
-            "kind": entry.kind,
-            "detached": True,
-            "state": state,
-            "ranks": entry.world_size,
-            "pid": entry.pid,
-            "function": entry.function,
-            "started": entry.started_at,
-            "ended": self._ended_at(entry.run_dir) if state != Lifecycle.RUNNING else None,
-            "holder": _holder(entry) if state == Lifecycle.RUNNING else None,
-        }
-
-    def _dir_record(self, run_dir: Path) -> dict[str, Any]:
-        live = is_live(run_dir)
-        try:
-            stamp = run_dir.stat().st_mtime
-        except OSError:
-            stamp = -1.0
-        cached = self._dir_records.get(run_dir)
-        if not live and cached is not None and cached[0] == stamp:
-            return cached[1]  # an ended run's directory does not change
-        record = self._new_dir_record(run_dir, live)
-        if not live:
-            if len(self._dir_records) >= MAX_LISTED * 2:
-                self._dir_records.pop(next(iter(self._dir_records)))
-            self._dir_records[run_dir] = (stamp, record)
+    def _record(
+        self,
+        run: Found,
+        files: RunFiles,
+        stats: dict[str, os.stat_result],
+        make: bool = True,
+    ) -> dict[str, Any]:
+        """What the list shows of ``run``; ``make=False``: only if it is kept, else a pending
+        record (from its entry and files only)."""
+        entry = run.entry
+        state = entry.live_state if entry else (Lifecycle.RUNNING if files.is_live() else "")
+        key = (state, sorted((name, s.st_mtime_ns, s.st_size) for name, s in stats.items()))
+        cached = self._records.get(run.run_dir)
+        if state != Lifecycle.RUNNING and cached is not None and cached[0] == key:
+            with contextlib.suppress(KeyError):  # another thread may have let it go
+                self._records.move_to_end(run.run_dir)
+            return cached[1]
+        if state != Lifecycle.RUNNING and not make:
+            return {
+                **_fields(self.root_dir, run, files, stats, state or "ended", None),
+                "pending": True,
+            }
+        summary = self._summary(run, files, stats, state, brief=True)
+        if not state:
+            ended = summary.ended
+            state = "ended" if ended is None else "done" if ended["ok"] else "failed"
+        record = _fields(self.root_dir, run, files, stats, state, summary)
+        if state != Lifecycle.RUNNING:
+            self._records[run.run_dir] = (key, record)
+            while len(self._records) > MAX_RECORDS:
+                with contextlib.suppress(KeyError):
+                    self._records.popitem(last=False)
         return record
-
-    def _new_dir_record(self, run_dir: Path, live: bool) -> dict[str, Any]:
-        history = run_dir / host_files.HISTORY_FILE
-        summary = self.summary_of(None, run_dir) if history.exists() else None
-        if live:
-            state = Lifecycle.RUNNING
-        elif summary is not None and summary.ended is not None:
-            state = "done" if summary.ended["ok"] else "failed"
-        else:
-            state = "ended"  # a kernel's run: its logs say how it went, nothing else does
-        ranks = len([path for path in run_dir.glob("rank*.log") if path.stem[4:].isdigit()])
-        return {
-            **self._base(run_dir.name, run_dir, summary),
-            "kind": "run",
-            "detached": False,
-            "state": state,
-            "ranks": ranks,
-            "pid": None,
-            "function": "",
-            "started": _started_at(run_dir),
-            "ended": None if live else self._ended_at(run_dir),
-            "holder": None,
-        }
-
-    def _base(self, run_id: str, run_dir: Path, summary: RunSummary | None) -> dict[str, Any]:
-        return {
-            "id": run_id,
-            "run_dir": str(run_dir),
-            "devices": summary.devices() if summary else [],
-            "cause": summary.root_cause() if summary else "",
-            "last_step": summary.last_step if summary else None,
-        }
-
-    def _ended_at(self, run_dir: Path) -> float | None:
-        times = [
-            path.stat().st_mtime
-            for path in (run_dir / host_files.RESULT_FILE, *run_dir.glob("rank*.log"))
-            if path.exists()
-        ]
-        return max(times, default=None)
 
     # --- pictures --------------------------------------------------------------------------------
 
-    def summary_of(self, entry: detached.Entry | None, run_dir: Path) -> RunSummary:
-        """The run's picture: live from its host while it goes, else from its directory."""
+    def _summary(
+        self,
+        run: Found,
+        files: RunFiles,
+        stats: dict[str, os.stat_result],
+        state: str,
+        brief: bool,
+    ) -> RunSummary:
+        """The run's picture: live from its host while it goes, else from its directory.
+        ``brief``: what a list needs only (no lines of a history)."""
+        entry = run.entry
+        if entry is not None and entry.kind == "run":
+            watch = self._watch(entry, state == Lifecycle.RUNNING, HISTORY in stats)
+            if watch is not None:
+                return watch.summary
+            if HISTORY in stats:
+                return from_history(files, brief) or from_files(files)
+        if entry is not None and entry.kind == "pool" and state == Lifecycle.RUNNING:
+            return pool_summary(files)
+        return from_files(files, "RUNNING" if state == Lifecycle.RUNNING else "ENDED", brief)
+
+    def _watch(self, entry: detached.Entry, live: bool, has_history: bool) -> RunWatch | None:
+        """The live watch of a detached run, made while it goes; None once its history is on
+        disk (the host writes it before the registry says the run ended, and sends the last
+        events after: once it says so, the history is the whole picture)."""
         with self._lock:
-            watch = self._watches.get(entry.run_id) if entry else None
-            live = (
-                entry is not None and entry.kind == "run" and entry.live_state == Lifecycle.RUNNING
-            )
+            watch = self._watches.get(entry.run_id)
             if watch is None and live:
-                assert entry is not None
-                with contextlib.suppress(OSError):
+                try:
                     watch = self._watches[entry.run_id] = RunWatch(entry)
-                    watch.primed.wait(WATCH_PRIME_S)
+                except OSError:
+                    return None
+                watch.primed.wait(WATCH_PRIME_S)
             if watch is None:
-                return self._from_disk(run_dir)
-            # The host writes the history before the registry says the run ended, and sends
-            # the last events after: once it says so, the history is the whole picture.
-            ended = watch.done.is_set() or not live
-            if ended and (run_dir / host_files.HISTORY_FILE).exists():
-                assert entry is not None
+                return None
+            if (watch.done.is_set() or not live) and has_history:
                 del self._watches[entry.run_id]
                 watch.close()
-                return self._from_disk(run_dir)
-            return watch.summary  # live; or a host that died: what it sent is all there is
-
-    def _from_disk(self, run_dir: Path) -> RunSummary:
-        history = run_dir / host_files.HISTORY_FILE
-        source = history if history.exists() else run_dir
-        try:
-            stamp = max(
-                [source.stat().st_mtime, *(p.stat().st_mtime for p in run_dir.glob("*.log*"))]
-            )
-        except OSError:
-            stamp = time.time()
-        cached = self._ended.get(run_dir)
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
-        summary = RunSummary()
-        if history.exists() and owned(history):
-            # The host's pickle of plain event dicts, in a directory of this user's (checked).
-            try:
-                summary.handle_many(pickle.loads(history.read_bytes()))
-            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
-                summary = from_files(run_dir)
-        else:
-            summary = from_files(run_dir)
-        if len(self._ended) >= MAX_CACHED:
-            self._ended.pop(next(iter(self._ended)))
-        self._ended[run_dir] = (stamp, summary)
-        return summary
+                return None
+            return watch  # live; or a host that died: what it sent is all there is
 
     def detail(self, run_id: str) -> dict[str, Any] | None:
         """What the run's panel shows: its list record and its picture; None if not listed."""
-        found = self.find(run_id)
-        if found is None:
+        run = self.find(run_id)
+        files = run.open(self.root_dir) if run is not None else None
+        if run is None or files is None:
             return None
-        entry, run_dir = found
-        record = self._entry_record(entry) if entry else self._dir_record(run_dir)
-        if entry is not None and entry.kind == "pool":
-            # Its host serves one kernel at a time: read from its files (kept while unchanged).
-            with self._lock:
-                summary = self._from_disk(run_dir)
-        else:
-            summary = self.summary_of(entry, run_dir)
-        return {**record, "view": summary.to_json()}
+        with files:
+            stats = files.stats()
+            record = self._record(run, files, stats)
+            state = record["state"]
+            key = (state, sorted((n, s.st_mtime_ns, s.st_size) for n, s in stats.items()))
+            cached = self._pictures.get(run.run_dir)
+            if state != Lifecycle.RUNNING and cached is not None and cached[0] == key:
+                summary = cached[1]
+            else:
+                live = state if run.entry is not None or state == Lifecycle.RUNNING else ""
+                summary = self._summary(run, files, stats, live, brief=False)
+                if state != Lifecycle.RUNNING:
+                    self._pictures[run.run_dir] = (key, summary)
+                    while len(self._pictures) > MAX_PICTURES:
+                        self._pictures.popitem(last=False)
+            view = summary.to_json()
+            if state == Lifecycle.LOST and run.entry is not None:
+                view = lost_view(view, run.entry, files)
+        return {**record, "view": view}
 
-    # --- stopping --------------------------------------------------------------------------------
+    def log(self, run_id: str, name: str) -> str | None:
+        """The last ``LOG_BYTES`` of a run's log (``rank<N>.log``, ``host.log``,
+        ``metrics.jsonl``); None if the run is not listed or has no such file of ours."""
+        if not (_RANK_LOG.match(name) or name in (host_files.HOST_LOG, "metrics.jsonl")):
+            return None
+        run = self.find(run_id)
+        files = run.open(self.root_dir) if run is not None else None
+        if files is None:
+            return None
+        with files:
+            data = files.read(name, tail=LOG_BYTES)
+        return None if data is None else data.decode(errors="replace")
+
+    # --- stopping and clearing -------------------------------------------------------------------
 
     def stop(self, run_id: str) -> dict[str, Any] | None:
         """Stop a detached run or pool as ``nblaunch runs stop`` does; None if not listed.
 
-        Returns ``{"stopped": bool, "state": ...}``: False when it was not running.
+        Returns ``{"stopped": bool, "state": ...}``: False when it was not running; the state
+        after the stop (its host is waited for ``STOP_WAIT_S`` at most: ``stopping`` past it).
         """
-        found = self.find(run_id)
-        if found is None:
+        run = self.find(run_id)
+        if run is None:
             return None
-        entry = found[0]
+        entry = run.entry
         if entry is None:
-            state = Lifecycle.RUNNING if is_live(found[1]) else "ended"
-            return {"stopped": False, "state": state, "why": _KERNEL_RUN}
+            files = run.open(self.root_dir)
+            live = files is not None and files.is_live()
+            if files is not None:
+                files.close()
+            return {
+                "stopped": False,
+                "state": Lifecycle.RUNNING if live else "ended",
+                "why": _KERNEL_RUN,
+            }
         if entry.live_state != Lifecycle.RUNNING or not _host_is_ours(entry.pid):
             return {"stopped": False, "state": entry.live_state}  # ended, or ending
-        return {"stopped": detached.stop_host(entry), "state": entry.live_state}
+        if not detached.stop_host(entry):
+            return {"stopped": False, "state": entry.live_state}
+        deadline = time.monotonic() + STOP_WAIT_S
+        while time.monotonic() < deadline:
+            now = next((e for e in self.entries() if e.run_id == run_id), None)
+            if now is None or now.live_state != Lifecycle.RUNNING:
+                return {"stopped": True, "state": now.live_state if now else "ended"}
+            time.sleep(0.05)
+        return {"stopped": True, "state": "stopping"}
+
+    def clear(self, run_id: str) -> dict[str, Any] | None:
+        """Remove an ended run's directory (and its registry entry); None if not listed.
+
+        Returns ``{"cleared": bool, ...}``: False, and why, for a run that still goes.
+        """
+        run = self.find(run_id)
+        if run is None:
+            return None
+        files = run.open(self.root_dir)
+        if files is None:
+            return None
+        with files:
+            state = (
+                run.entry.live_state if run.entry else Lifecycle.RUNNING if files.is_live() else ""
+            )
+            if state in (Lifecycle.RUNNING, Lifecycle.STARTING) or files.is_live():
+                return {"cleared": False, "why": "it is still running: stop it first"}
+            if run.entry is not None and detached.host_alive(run.entry.pid):
+                # A stopped run's host still writes its outcome: without its directory it
+                # would keep the outcome for a notebook that never comes.
+                return {"cleared": False, "why": "its host is still ending: try again"}
+        parent = RunFiles.open(run.run_dir.parent, under=None)
+        if parent is None:
+            return {"cleared": False, "why": f"cannot open {run.run_dir.parent}"}
+        with parent:
+            # fd-based: a link put in its place is refused, nothing outside it is removed
+            shutil.rmtree(run.run_dir.name, dir_fd=parent.fd, ignore_errors=True)
+        if run.entry is not None:
+            with contextlib.suppress(OSError):
+                (detached.registry_dir() / f"{run.run_id}.json").unlink()
+        with self._lock:
+            self._records.pop(run.run_dir, None)
+            self._pictures.pop(run.run_dir, None)
+        return {"cleared": True, "run_dir": str(run.run_dir)}
 
     def _forget_unlisted(self, listed: set[str]) -> None:
         """Let go of the watches of runs no longer listed (their directory was removed): a
@@ -329,20 +410,72 @@ class RunsIndex:
             self._watches.clear()
 
 
+def _fields(
+    root: Path,
+    run: Found,
+    files: RunFiles,
+    stats: dict[str, os.stat_result],
+    state: str,
+    summary: RunSummary | None,
+) -> dict[str, Any]:
+    """What the list shows of a run (``summary``: None for a pending one)."""
+    entry = run.entry
+    ranks = [name for name in stats if _RANK_LOG.match(name)]
+    pool = entry is not None and entry.kind == "pool"
+    return {
+        "id": run.run_id,
+        "kind": entry.kind if entry else "run",
+        "detached": entry is not None,
+        "state": state,
+        "ranks": entry.world_size if entry else len(ranks),
+        "devices": summary.devices() if summary else [],
+        "cause": LOST_TITLE if state == Lifecycle.LOST else summary.root_cause() if summary else "",
+        "last_step": summary.last_step if summary else None,
+        "pid": entry.pid if entry else None,
+        "function": entry.function if entry else "",
+        "name": _name(run),
+        "origin": entry.origin if entry else _notebook_folder(root, run.run_dir),
+        "run_dir": str(run.run_dir),
+        "folder": _folder(root, run.run_dir),
+        "logs": sorted(ranks, key=lambda name: int(name[4:-4])),
+        "started": entry.started_at if entry else _started_at(run.run_dir, files),
+        "ended": None if state == Lifecycle.RUNNING else _ended_at(stats),
+        "holder": pool_holder(files) if pool and state == Lifecycle.RUNNING else None,
+    }
+
+
+def _name(run: Found) -> str:
+    """What the run runs, as the list names it first."""
+    if run.entry is not None and run.entry.kind == "pool":
+        return "pool"
+    if run.entry is not None and run.entry.function:
+        return run.entry.function
+    return "a kernel's run" if run.entry is None else "a detached run"
+
+
+def _notebook_folder(root: Path, run_dir: Path) -> str:
+    """Where a kernel's run came from: the folder of its notebook (it holds .nblaunch/runs)."""
+    folder = _folder(root, run_dir.parent.parent.parent)
+    return f"{folder}/" if folder not in (None, ".") else "the root folder"
+
+
+def _folder(root: Path, run_dir: Path) -> str | None:
+    """The run directory relative to the root folder (where Lab's file browser opens it)."""
+    try:
+        return run_dir.relative_to(root).as_posix()
+    except ValueError:
+        return None
+
+
 _KERNEL_RUN = (
     "this run belongs to a kernel, not to a run host: stop it from its notebook "
     "(the view's Stop button, or interrupt the kernel)"
 )
 
 
-def _holder(entry: detached.Entry) -> dict[str, Any] | None:
-    """The process a detached pool's host serves now (a kernel), while it lives."""
-    if entry.kind != "pool":
-        return None
-    holder = pool_holder.holder_of(entry.run_dir)
-    if holder is None or not os.path.exists(f"/proc/{holder['pid']}"):
-        return None
-    return {"pid": holder["pid"], "since": holder.get("since")}
+def _ended_at(stats: dict[str, os.stat_result]) -> float | None:
+    times = [s.st_mtime for n, s in stats.items() if n == RESULT or _RANK_LOG.match(n)]
+    return max(times, default=None)
 
 
 def _host_is_ours(pid: int) -> bool:
@@ -352,12 +485,12 @@ def _host_is_ours(pid: int) -> bool:
         return False
 
 
-def _started_at(run_dir: Path) -> float | None:
+def _started_at(run_dir: Path, files: RunFiles) -> float | None:
     """When nblaunch named the directory (``20261203-084512-123456-3fa9``), else its mtime."""
     try:
         return time.mktime(time.strptime(run_dir.name[:15], "%Y%m%d-%H%M%S"))
     except ValueError:
         try:
-            return run_dir.stat().st_mtime
+            return os.fstat(files.fd).st_mtime
         except OSError:
             return None

@@ -11,13 +11,23 @@ picture is made from what an ended run left on disk (``history.pkl``, or only it
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import os
+import pickle
+import re
 import threading
-from pathlib import Path
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
+from nblaunch.engine.detached.host_files import HISTORY_FILE, HOLDER_FILE, HOST_LOG, POOL_FILE
+from nblaunch.engine.detached.lost_runs import lost_why
 from nblaunch.engine.output.metrics_files import METRICS_FILE
 from nblaunch.events import Event, checking_mode
+from nblaunch.lab.files import RunFiles
+
+if TYPE_CHECKING:
+    from nblaunch.engine.detached.registry import Entry
 
 # Last lines kept per rank, and of all ranks together (the folded "All ranks").
 RANK_LINES = 40
@@ -26,6 +36,12 @@ ALL_LINES = 200
 MAX_POINTS = 500
 # Bytes read from the end of a rank log of a run that left no history.
 LOG_TAIL_BYTES = 16_384
+# Bytes read from the end of ``metrics.jsonl`` of such a run.
+METRICS_TAIL_BYTES = 2 << 20
+# What a list needs of a run's events (its devices, cause, last step, end): not its lines.
+BRIEF_KINDS = frozenset({"run_info", "started", "state", "diagnosis", "run_ended"})
+BRIEF_METRICS_BYTES = 16_384
+_RANK_LOG = re.compile(r"^rank\d+\.log$")
 
 
 class RunSummary:
@@ -167,44 +183,122 @@ def _finite(value: float) -> float | None:
     return value if value == value and abs(value) != float("inf") else None
 
 
-def from_files(run_dir: Path) -> RunSummary:
-    """The picture of a run that left no history: its rank logs' tails and ``metrics.jsonl``."""
+def from_files(files: RunFiles, rank_state: str = "ENDED", brief: bool = False) -> RunSummary:
+    """The picture of a run that left no history: its rank logs' tails and ``metrics.jsonl``
+    (each rank in ``rank_state``: ``ENDED``, or ``RUNNING`` for a pool that goes on).
+    ``brief``: what a list shows only (no lines; the last step from the last metrics)."""
     summary = RunSummary()
-    logs = sorted(run_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:] or 0))
-    for log in logs:
-        if not log.stem[4:].isdigit():
-            continue
-        rank = int(log.stem[4:])
-        summary.handle({"kind": "state", "rank": rank, "state": "ENDED", "detail": ""})
-        for text in _tail(log).splitlines():
+    names = files.stats()
+    ranks = sorted(int(name[4:-4]) for name in names if _RANK_LOG.match(name))
+    for rank in ranks:
+        summary.handle({"kind": "state", "rank": rank, "state": rank_state, "detail": ""})
+        lines = "" if brief else files.text_tail(f"rank{rank}.log", LOG_TAIL_BYTES)
+        for text in lines.splitlines():
             summary.handle(
                 {"kind": "stream", "rank": rank, "fd": 1, "text": text, "carriage": False}
             )
-    try:
-        with open(run_dir / METRICS_FILE) as file:
-            for line in collections.deque(file, maxlen=20 * MAX_POINTS):
-                row = json.loads(line)
-                value = row["value"] if isinstance(row["value"], (int, float)) else float("nan")
-                summary.handle(
-                    {
-                        "kind": "metrics",
-                        "rank": row["rank"],
-                        "step": row["step"],
-                        "values": {row["name"]: value},
-                        "time": row["time"],
-                    }
-                )
-    except (OSError, ValueError, KeyError):
-        pass  # no metrics, or a line cut short by a crash
+    tail = BRIEF_METRICS_BYTES if brief else METRICS_TAIL_BYTES
+    data = files.read(METRICS_FILE, tail=tail) if METRICS_FILE in names else None
+    rows = []
+    for line in (data or b"").splitlines()[1 if data and len(data) >= tail else 0 :]:
+        with contextlib.suppress(ValueError):  # a line cut short by a crash
+            rows.append(json.loads(line))
+    if brief:
+        steps = [row.get("step") for row in rows if isinstance(row, dict)]
+        summary.last_step = max((s for s in steps if isinstance(s, int)), default=None)
+        return summary
+    for row in rows:
+        with contextlib.suppress(KeyError, TypeError):
+            value = row["value"] if isinstance(row["value"], (int, float)) else float("nan")
+            summary.handle(
+                {
+                    "kind": "metrics",
+                    "rank": row["rank"],
+                    "step": row["step"],
+                    "values": {row["name"]: value},
+                    "time": row["time"],
+                }
+            )
     return summary
 
 
-def _tail(path: Path) -> str:
-    with open(path, "rb") as file:
-        file.seek(0, 2)
-        size = file.tell()
-        file.seek(max(0, size - LOG_TAIL_BYTES))
-        data = file.read()
-    if size > LOG_TAIL_BYTES:
-        data = data.split(b"\n", 1)[-1]  # the first line is cut
-    return data.decode(errors="replace")
+def from_history(files: RunFiles, brief: bool = False) -> RunSummary | None:
+    """The picture from the host's ``history.pkl`` (a pickle of plain event dicts, in a
+    directory of this user's, read as ``files`` allows); None without a readable one.
+    ``brief``: what a list shows only (:func:`brief_history`)."""
+    data = files.read(HISTORY_FILE)
+    if data is None:
+        return None
+    try:
+        events = pickle.loads(data)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError):
+        return None
+    if brief:
+        return brief_history(events)
+    summary = RunSummary()
+    summary.handle_many(events)
+    return summary
+
+
+def brief_history(events: list[Event]) -> RunSummary:
+    """What a list shows of a run from its history: no lines, no metric points but the last
+    step (folding a long run's points costs most of its time)."""
+    summary = RunSummary()
+    steps = [e["step"] for e in events if e["kind"] == "metrics"]
+    summary.handle_many([e for e in events if e["kind"] in BRIEF_KINDS])
+    summary.last_step = max(steps, default=None)
+    return summary
+
+
+def pool_summary(files: RunFiles) -> RunSummary:
+    """A running pool's picture: its rank logs, each rank alive or not, on its device (the
+    pool's host writes ``pool.json`` as its ranks start)."""
+    try:
+        pool = json.loads(files.read(POOL_FILE) or b"{}")
+    except ValueError:
+        pool = {}
+    summary = from_files(files, "RUNNING")
+    events: list[Event] = []
+    devices = pool.get("devices") or []
+    for rank, pid in enumerate(pool.get("pids") or []):
+        alive = isinstance(pid, int) and os.path.exists(f"/proc/{pid}")
+        device = str(devices[rank]) if rank < len(devices) else ""
+        events.append({"kind": "started", "rank": rank, "device": device, "pid": pid, "host": ""})
+        events.append({"kind": "state", "rank": rank, "state": "RUNNING" if alive else "STOPPED"})
+    summary.handle_many(events)
+    return summary
+
+
+def pool_holder(files: RunFiles) -> dict[str, Any] | None:
+    """The process a detached pool's host serves now (a kernel), while it lives."""
+    try:
+        holder = json.loads(files.read(HOLDER_FILE) or b"null")
+    except ValueError:
+        return None
+    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+        return None
+    if not os.path.exists(f"/proc/{holder['pid']}"):
+        return None
+    return {"pid": holder["pid"], "since": holder.get("since")}
+
+
+LOST_TITLE = "the run is lost: its host ended without an outcome"
+_FINAL_RANK_STATES = ("DONE", "FAILED", "STOPPED", "ENDED")
+
+
+def lost_view(view: dict[str, Any], entry: Entry, files: RunFiles) -> dict[str, Any]:
+    """A lost run's picture as a notebook's view explains it: every rank that did not end lost
+    with the host, why, and the end of ``host.log``."""
+    for rank in view["ranks"].values():
+        if rank["state"] not in _FINAL_RANK_STATES:
+            rank.update(state="LOST", detail="lost with its host")
+    body = lost_why(entry) + "."
+    host_log = files.text_tail(HOST_LOG, 8192).splitlines()[-8:]
+    if host_log:
+        body += "\nThe end of host.log:\n" + "\n".join(host_log)
+    lost = {"title": LOST_TITLE, "body": body, "severity": "error", "rank": None}
+    view["diagnoses"] = [*view["diagnoses"], lost]
+    if view["ended"] is None:
+        ranks = {rank: "lost with its host" for rank in view["ranks"]}
+        view["ended"] = {"ok": False, "elapsed_s": time.time() - entry.started_at, "ranks": ranks}
+    return view

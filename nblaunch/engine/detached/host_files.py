@@ -11,3 +11,4 @@ HISTORY_FILE = "history.pkl"  # what a view of the ended run shows
 HOST_LOG = "host.log"
 SOCKET_FILE = "stream.sock"
 HOLDER_FILE = "holder.json"  # a detached pool's attached process: {"pid": ..., "since": ...}
+POOL_FILE = "pool.json"  # a detached pool's ranks: {"pids": [...], "devices": [...]}

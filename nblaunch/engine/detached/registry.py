@@ -83,6 +83,7 @@ class Entry:
     state: Lifecycle
     function: str = ""
     start_limit_s: float = HOST_START_LIMIT_S  # a pool's host starts its ranks first
+    origin: str = ""  # what started it: the notebook (a kernel's session) or the script
 
     @classmethod
     def read(cls, path: Path) -> Entry | None:
@@ -223,6 +224,7 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
         "run_id": run_id,
         "sys_path": list(sys.path),
         "registry": str(registry_dir()),
+        "origin": origin(),
     }
     entry_path = registry_dir() / f"{run_id}.json"
     try:
@@ -272,6 +274,16 @@ def start_host(run_dir: Path, lease: RunLease, launch: dict[str, Any]) -> Entry:
     except OSError:
         tail = ""
     raise LaunchError(f"the run host did not start ({how}; see {run_dir / HOST_LOG}):\n{tail}")
+
+
+def origin() -> str:
+    """What starts a run here: the notebook of a Jupyter kernel (its session's path), else the
+    script's name; "" for ``python -c`` or an interactive interpreter."""
+    notebook = os.environ.get("JPY_SESSION_NAME", "")
+    if notebook:
+        return notebook
+    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-") else ""
+    return os.path.basename(script) if script.endswith(".py") else ""
 
 
 def _free_id(entry_path: Path) -> None:
