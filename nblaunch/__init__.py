@@ -47,6 +47,7 @@ from nblaunch.ranks.this_rank import (
 from nblaunch.ranks.trigger import check_trigger, set_trigger
 
 if TYPE_CHECKING:
+    from nblaunch.cluster.ray_nodes import RayCluster
     from nblaunch.engine.output.metrics_files import load_metrics
     from nblaunch.notebook.handle import RunHandle, attach, runs
     from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
@@ -66,6 +67,7 @@ _FRONT_ENDS = {
     "runs": "nblaunch.notebook.handle",
     "attach": "nblaunch.notebook.handle",
     "attach_pool": "nblaunch.notebook.pool_start",
+    "RayCluster": "nblaunch.cluster.ray_nodes",
 }
 
 
@@ -95,6 +97,7 @@ __all__ = [
     "Pool",
     "PoolRestartedError",
     "RankFailedError",
+    "RayCluster",
     "RendezvousTimeoutError",
     "RunHandle",
     "RunStoppedError",

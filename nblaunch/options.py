@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import string
+from typing import Any
 
 from nblaunch.errors import LaunchError
 
@@ -25,7 +26,7 @@ START_METHODS = ("forkserver", "spawn", "fork")
 DEVICE_TYPES = ("cuda", "cpu", "xla", "xpu", "npu", "hpu", "mps")
 DEVICE_TYPE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 # How the notebook may start the other nodes' join commands itself (nblaunch.cluster.node_start).
-START_NODES = ("ssh", "srun")
+START_NODES = ("ssh", "srun", "ray")
 # Where a run is shown: a widget in a notebook, text in a terminal, or nowhere.
 DISPLAY_MODES = ("auto", "widget", "text", "none")
 # Levels of the loggers nblaunch.get_logger gives ranks.
@@ -271,6 +272,8 @@ class NodeOptions:
     rdzv_id: str | None = None
     start_nodes: str | None = None
     hostfile: str | os.PathLike[str] | None = None
+    # start_nodes="ray": the cluster's options (nblaunch.cluster.ray_nodes.RayCluster)
+    cluster: Any = None
 
     def __post_init__(self) -> None:
         num_nodes = self.num_nodes

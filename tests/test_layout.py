@@ -287,6 +287,7 @@ PUBLIC = [
     "Pool",
     "PoolRestartedError",
     "RankFailedError",
+    "RayCluster",
     "RendezvousTimeoutError",
     "RunHandle",
     "RunStoppedError",

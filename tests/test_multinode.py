@@ -21,7 +21,13 @@ import psutil
 import pytest
 from conftest import rank_children, wait_until
 
-from nblaunch import LaunchError, RankFailedError, RendezvousTimeoutError, notebook_launcher
+from nblaunch import (
+    DistributedOperationException,
+    LaunchError,
+    RankFailedError,
+    RendezvousTimeoutError,
+    notebook_launcher,
+)
 from nblaunch.cluster import head as cluster_head
 from nblaunch.cluster.network import Route, describe, route_to, socket_env
 from nblaunch.cluster.plan import MultiNodePlan
@@ -400,6 +406,25 @@ def test_a_failure_on_the_other_node_fails_the_run_with_its_exception(nodes):
     failures = [e for e in view.of("failure") if e["rank"] == 1]
     assert failures and failures[0]["host"] and failures[0]["node"] == 1  # tagged with its node
     assert "about to fail" in (nodes.run_dir / "rank1.log").read_text()
+
+
+def _shapes_differ_across_nodes():
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(2 if dist.get_rank() == 1 else 1))
+
+
+def test_a_collective_mismatch_across_nodes_is_proven_not_a_hang(nodes):
+    # The joined node's ranks send their calls' records to its join, which passes them on to
+    # the notebook: before, no join read them and a mismatch across nodes waited out
+    # hang_timeout.
+    joiner = nodes.start_joiner()
+    began = time.monotonic()
+    with pytest.raises(DistributedOperationException, match=r"all_reduce"):
+        nodes.launch(_shapes_differ_across_nodes)
+    assert time.monotonic() - began < 20
+    assert joiner.wait(15) == 1, joiner.output()
 
 
 def _remote_rank_dies():

@@ -10,7 +10,6 @@ node in torch's c10d rendezvous, and shows each one as it arrives.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from nblaunch.engine.output.log_files import open_private
 from nblaunch.engine.processes.supervisor import warm_up
 from nblaunch.errors import AuthenticationError, LaunchError, RendezvousTimeoutError
 from nblaunch.events import Event, EventSink, NullView, diagnosis
+from nblaunch.options import NodeOptions
 
 # Where the notebook node's news about the other nodes is kept, in the run directory.
 NODES_LOG = "nodes.log"
@@ -91,16 +91,33 @@ class Head:
 
     # --- before the ranks start --------------------------------------------------------------
 
-    def start_joins(self, start_nodes: str, hostfile: str | os.PathLike[str] | None) -> NodeStarter:
-        """Start ``join`` on the other nodes from here (:mod:`nblaunch.cluster.node_start`)."""
+    def start_joins(self, nodes: NodeOptions) -> Any:
+        """Start ``join`` on the other nodes from here: over ssh or srun
+        (:mod:`nblaunch.cluster.node_start`), or placed by Ray (:mod:`nblaunch.cluster.ray_nodes`).
+        """
+        assert nodes.start_nodes is not None
+        if nodes.start_nodes == "ray":
+            from nblaunch.cluster import ray_nodes  # not at import: Ray only when asked for
+
+            cluster = ray_nodes.as_ray_cluster(nodes.cluster or "ray")
+            return ray_nodes.start_ray_joins(
+                cluster,
+                count=self.plan.num_nodes - 1,
+                endpoint=self.endpoint,
+                run_id=self.plan.run_id,
+                secret=self.secret.text,
+                bundle=ray_nodes.bundle_for(
+                    self.plan.device_type, self.plan.nproc_per_node, cluster.resources_per_node
+                ),
+            )
         return start_joins(
-            start_nodes,
+            nodes.start_nodes,
             count=self.plan.num_nodes - 1,
             endpoint=self.endpoint,
             run_id=self.plan.run_id,
             secret=self.secret.text,
             log_dir=self.plan.run_dir,
-            hostfile=hostfile,
+            hostfile=nodes.hostfile,
         )
 
     def rendezvous(

@@ -29,6 +29,7 @@ from nblaunch.cluster.channel import (
 )
 from nblaunch.cluster.plan import MultiNodePlan
 from nblaunch.cluster.trust import RunSecret
+from nblaunch.engine.monitors.collective_checks import reader_for
 from nblaunch.engine.output.relay import Relay
 from nblaunch.engine.processes.stopper import STOP_GRACE_S
 from nblaunch.engine.processes.supervisor import Supervisor, signal_pid
@@ -90,6 +91,10 @@ class NodeRun:
         supervisor = Supervisor(plan.world_size, plan.start_method)
         relay = None
         outcome = "stopped"
+        # The collective checks: what this node's ranks send about each call goes to the
+        # notebook, which compares every node's. Made before the set-up messages, which carry
+        # its address.
+        checks = reader_for(plan) if plan.checks else None
         uplink.news("started", host=self.name, ranks=plan.local_ranks, pid=os.getpid())
         uplink.push()
         try:
@@ -103,6 +108,9 @@ class NodeRun:
             interrupted = False
             while True:
                 self._note(relay.poll(0.05))
+                calls = checks.read() if checks is not None else []
+                if calls:
+                    uplink.handle({"kind": "collectives", "calls": calls})  # type: ignore[typeddict-item]
                 for rank in supervisor.reap():
                     self._note(relay.drain_events(rank.rank))
                     # A pool's rank waits for tasks until told to stop: any exit is a death.
@@ -160,6 +168,8 @@ class NodeRun:
             uplink.close()
             if relay is not None:
                 relay.close()
+            if checks is not None:
+                checks.close()
             supervisor.close()
         self.say(f"run {plan.run_id}: {outcome}")
         if self._control_value == CONTROL_REJOIN:

@@ -41,7 +41,7 @@ class PoolNodes:
         self._secret = head.secret
         try:
             if self.options.start_nodes and self.starter is None:
-                self.starter = head.start_joins(self.options.start_nodes, self.options.hostfile)
+                self.starter = head.start_joins(self.options)
             elif self.starter is not None:  # a lost node's join is started again
                 self.starter.renew(self.options.num_nodes - 1)
             with signal_handlers_kept():

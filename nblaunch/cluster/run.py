@@ -132,7 +132,7 @@ def launch_multinode(
             head = Head(plan, view)
             try:
                 if nodes.start_nodes is not None:
-                    starter = head.start_joins(nodes.start_nodes, nodes.hostfile)
+                    starter = head.start_joins(nodes)
                 head.rendezvous(payload, nodes.rdzv_timeout, starter)
                 run = MultiNodeRun(plan, view, head)
                 return run.execute(payload)

@@ -65,6 +65,7 @@ def notebook_launcher(
     rdzv_id: str | None = None,
     start_nodes: str | None = None,
     hostfile: str | os.PathLike[str] | None = None,
+    cluster: Any = None,
     mixed_precision: str | None = None,
     use_port: str | int | None = None,
     node_rank: int = 0,
@@ -134,6 +135,11 @@ def notebook_launcher(
         Start the other nodes' join from here: ``"ssh"`` on the hosts of ``hostfile`` (after
         checking passwordless ssh), or ``"srun"`` inside a Slurm allocation. See
         :mod:`nblaunch.cluster.node_start`.
+    cluster
+        ``"ray"`` or :class:`nblaunch.RayCluster`: a Ray cluster places the other
+        ``num_nodes - 1`` nodes (one agent actor per node runs their join; this node hosts the
+        rendezvous on the address Ray reports for it). Uses the Ray this process initialised,
+        else ``ray.init(address="auto")``. See :mod:`nblaunch.cluster.ray_nodes` and docs/ray.md.
     mixed_precision
         Accelerate's ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``: the ranks get
         ``ACCELERATE_MIXED_PRECISION``, so ``Accelerator()`` in ``function`` trains in it.
@@ -238,6 +244,10 @@ def notebook_launcher(
     background = detach or not block
     if background:
         _refuse_in_background(debug_on_error, num_nodes, rdzv_endpoint, start_nodes, detach)
+    if cluster is not None:
+        from nblaunch.cluster.ray_nodes import placed_by  # not at import: Ray only when asked
+
+        rdzv_endpoint, start_nodes = placed_by(cluster, num_nodes, start_nodes, rdzv_endpoint)
     options = LaunchOptions(
         start_method=start_method,
         debug=debug,
@@ -266,7 +276,9 @@ def notebook_launcher(
                 f"max_restarts={max_restarts} works on one machine for now: a restart would "
                 "need every node to join again; use num_nodes=1, or restart the cell"
             )
-        nodes = NodeOptions(num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
+        nodes = NodeOptions(
+            num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile, cluster
+        )
         from nblaunch.cluster.run import launch_multinode  # not at import: ~9 ms, rarely used
         from nblaunch.notebook.views import choose_view
 

@@ -172,6 +172,13 @@ class DistributedMagics(Magics):
         help="with --start-nodes ssh: the other machines, one per line",
     )
     @magic_arguments.argument(
+        "--cluster",
+        choices=("ray",),
+        default=None,
+        help="with --nodes: the engine that places the other nodes (a Ray cluster: the Ray this "
+        "kernel initialised, else RAY_ADDRESS or this node's cluster)",
+    )
+    @magic_arguments.argument(
         "--bg",
         action="store_true",
         help="run in the background: the cell returns a RunHandle at once and other cells "
@@ -254,6 +261,7 @@ class DistributedMagics(Magics):
                     rdzv_id=args.run_id,
                     start_nodes=args.start_nodes,
                     hostfile=args.hostfile,
+                    cluster=args.cluster,
                     block=not args.bg,
                 )
         except KeyboardInterrupt:

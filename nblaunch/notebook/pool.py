@@ -56,8 +56,6 @@ from nblaunch.notebook.pool_transport import PoolTransport, make_transport
 from nblaunch.options import DEFAULT_HANG_TIMEOUT_S, DISPLAY_MODES, LaunchOptions
 from nblaunch.ranks import namespace
 
-_MULTI_NODE = ("num_nodes", "rdzv_endpoint", "rdzv_timeout", "rdzv_id", "start_nodes", "hostfile")
-
 # --- the kernel's pool ---------------------------------------------------------------------------
 
 _current: Pool | None = None
@@ -136,7 +134,8 @@ class Pool:
     With ``num_nodes``, the pool spans that many machines: ``num_processes`` ranks on each,
     this one first; each other node runs ``python -m nblaunch join`` once (the command is
     printed), and stays in the pool across its restarts until the pool is closed; or the
-    pool starts them itself with ``start_nodes`` (``"ssh"`` with ``hostfile``, ``"srun"``).
+    pool starts them itself with ``start_nodes`` (``"ssh"`` with ``hostfile``, ``"srun"``), or
+    a Ray cluster places them (``cluster="ray"``).
 
     With ``detach=True`` the ranks live under a run host of their own and outlive the kernel
     (:mod:`nblaunch.notebook.pool_detached`); ``idle_limit`` seconds without a cell end it
@@ -166,6 +165,7 @@ class Pool:
         rdzv_id: str | None = None,
         start_nodes: str | None = None,
         hostfile: str | os.PathLike[str] | None = None,
+        cluster: Any = None,
         backend: BackendFactory = ProcessBackend,
         clock: Clock = REAL_CLOCK,
         detach: bool = False,
@@ -185,6 +185,7 @@ class Pool:
         self.pushed = PushedNames()  # notebook values every rank holds since %dist push
         self.display = display
         node_args = (num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile)
+        node_args += (cluster,)
         self.transport = transport or make_transport(
             num_processes, options, node_args, start_timeout, backend, clock, detach, idle_limit
         )
@@ -195,12 +196,8 @@ class Pool:
         """Start the ranks (a detached pool: its host, which starts them) and wait until every
         one has joined the process group; the pool is then the kernel's.
 
-        Raises
-        ------
-        LaunchError
-            Bad arguments, or another pool is running.
-        Exception
-            A rank's own exception when it failed to start.
+        Raises ``LaunchError`` (bad arguments, another pool running) or a rank's own exception
+        when it failed to start.
         """
         other = current_pool()
         if other is not None and other is not self:
@@ -215,8 +212,7 @@ class Pool:
         return self
 
     def make_current(self) -> None:
-        """Make this the kernel's pool: ``%%distributed`` cells run on it from now on, and a
-        pool of the kernel's own is closed when Python exits."""
+        """Make this the kernel's pool: ``%%distributed`` cells run on it from now on."""
         _make_current(self)
 
     def close(self) -> None:
@@ -314,9 +310,8 @@ class Pool:
             Fail the task with ``LaunchTimeoutError`` after ``timeout`` seconds; the hang
             watchdog's limit for this task (default: the pool's).
         background
-            Return a :class:`~nblaunch.notebook.handle.RunHandle` at once and run the task in a
-            thread; the pool is busy (a cell on it says so) until the task ends, and
-            ``handle.stop()`` interrupts it as the interrupt button would, keeping the names.
+            Return a :class:`~nblaunch.notebook.handle.RunHandle` at once, the task on a thread
+            (the pool is busy until it ends; ``handle.stop()`` interrupts it, names kept).
 
         Raises
         ------
@@ -453,8 +448,7 @@ class Pool:
         Returns
         -------
         list or RunHandle
-            One entry per rank of the pool; ``None`` for ranks the cell did not run on (with
-            ``background``, what the handle's ``result()`` returns).
+            One entry per rank (``None`` where the cell did not run), or its handle.
         """
         chosen = None if ranks is None else parse_ranks(ranks, self.world_size)
         if chosen is not None:

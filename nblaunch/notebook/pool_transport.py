@@ -13,7 +13,15 @@ from nblaunch.events import EventSink, Lifecycle
 from nblaunch.notebook.pool_detached import DEFAULT_IDLE_LIMIT_S, HostPool
 from nblaunch.options import LaunchOptions, NodeOptions
 
-_MULTI_NODE = ("num_nodes", "rdzv_endpoint", "rdzv_timeout", "rdzv_id", "start_nodes", "hostfile")
+_MULTI_NODE = (
+    "num_nodes",
+    "rdzv_endpoint",
+    "rdzv_timeout",
+    "rdzv_id",
+    "start_nodes",
+    "hostfile",
+    "cluster",
+)
 
 
 class PoolTransport(Protocol):
@@ -96,8 +104,14 @@ def make_transport(
     if idle_limit is not None:
         raise LaunchError("idle_limit= is for detached pools: add detach=True")
     nodes = None
-    if node_args[0] is not None:
+    num_nodes, endpoint, timeout, run_id, start_nodes, hostfile, cluster = node_args
+    if cluster is not None:
+        from nblaunch.cluster.ray_nodes import placed_by  # not at import: Ray only when asked
+
+        endpoint, start_nodes = placed_by(cluster, num_nodes, start_nodes, endpoint)
+    if num_nodes is not None:
         from nblaunch.cluster.pool_nodes import PoolNodes  # not at import: ~10 ms
 
-        nodes = PoolNodes(NodeOptions(*node_args))
+        node_options = NodeOptions(num_nodes, endpoint, timeout, run_id, start_nodes, hostfile)
+        nodes = PoolNodes(node_options.replace(cluster=cluster))
     return PoolEngine(num_processes, options, nodes, start_timeout, backend, clock)

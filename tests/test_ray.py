@@ -1,0 +1,210 @@
+"""Runs whose other nodes a real Ray cluster places (``cluster="ray"``).
+
+One Ray cluster for the file (``ray.cluster_utils.Cluster``): a head and two worker nodes, each
+its own raylet with one CPU, on this machine; ``remove_node`` is a real node loss (its raylet and
+its workers end). Run alone with ``pytest -m ray``. Without Ray installed the file is skipped,
+saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import cloudpickle
+import pytest
+from conftest import wait_until
+
+# Read by Ray as it is imported: every daemon of the test cluster, and the address Ray reports
+# for this node (the rendezvous), stays on 127.0.0.1.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'nblaunch[ray]'")
+
+import nblaunch  # noqa: E402
+from nblaunch import DistributedOperationException, LaunchError, RankFailedError  # noqa: E402
+
+# The other nodes have no checkout of the tests: this module's functions travel by value, as a
+# notebook's do (a module of the user's goes with RayCluster(runtime_env=...)).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    started = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        started.add_node(num_cpus=1)
+    started.wait_for_nodes()
+    ray.init(address=started.address, log_to_driver=True)
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    yield started
+    ray.shutdown()
+    started.shutdown()
+
+
+def where_am_i():
+    import torch
+    import torch.distributed as dist
+
+    total = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(total)
+    print(f"hello from rank {dist.get_rank()}", flush=True)
+    return dist.get_rank(), dist.get_world_size(), os.getpid(), float(total)
+
+
+def test_three_nodes_return_every_rank_s_value_and_print_each_line_once(cluster, capfd):
+    values = nblaunch.notebook_launcher(
+        where_am_i, num_processes=1, num_nodes=3, cluster="ray", display="text"
+    )
+    assert [(rank, size, total) for rank, size, _, total in values] == [
+        (0, 3, 6.0),
+        (1, 3, 6.0),
+        (2, 3, 6.0),
+    ]
+    assert len({pid for _, _, pid, _ in values}) == 3
+    time.sleep(1.0)  # what Ray's log forwarding would print comes within its flush interval
+    out, err = capfd.readouterr()
+    for rank in range(3):
+        assert out.count(f"hello from rank {rank}") == 1, out
+    # Ray's log forwarding prints worker output as "(JoinAgent pid=...) ..."; none may come.
+    assert "JoinAgent" not in out + err and "pid=" not in out + err, out + err
+    assert "Ray placed the other node(s)" in out + err  # the view says where they run
+
+
+def fails_on_rank_2():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 2:
+        raise ValueError("boom on rank 2")
+    dist.barrier()
+
+
+def test_a_rank_s_error_on_another_node_is_that_rank_s_own(cluster):
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="boom on rank 2") as info:
+        nblaunch.notebook_launcher(
+            fails_on_rank_2, num_processes=1, num_nodes=3, cluster="ray", display="none"
+        )
+    assert "rank 2" in "\n".join(getattr(info.value, "__notes__", [])) or "rank 2" in str(
+        info.value
+    )
+    assert time.monotonic() - began < 60
+
+
+def mismatched_all_reduce():
+    import torch
+    import torch.distributed as dist
+
+    size = 2 if dist.get_rank() == 1 else 1
+    dist.all_reduce(torch.ones(size))
+
+
+def test_a_collective_mismatch_across_nodes_is_proven(cluster):
+    with pytest.raises(DistributedOperationException, match=r"all_reduce"):
+        nblaunch.notebook_launcher(
+            mismatched_all_reduce,
+            num_processes=1,
+            num_nodes=3,
+            cluster="ray",
+            display="none",
+            hang_timeout=30,
+        )
+
+
+def test_a_placement_ray_cannot_meet_fails_at_once_saying_what_is_missing(cluster):
+    began = time.monotonic()
+    with pytest.raises(LaunchError, match=r"could not place 5 nodes with 1 CPU each") as info:
+        nblaunch.notebook_launcher(
+            where_am_i,
+            num_processes=1,
+            num_nodes=5,
+            cluster=nblaunch.RayCluster(placement_timeout=2),
+            display="none",
+        )
+    assert "this cluster has 3 alive node(s)" in str(info.value)
+    assert time.monotonic() - began < 15
+    assert ray.util.placement_group_table() == {} or all(
+        group["state"] == "REMOVED" for group in ray.util.placement_group_table().values()
+    )
+
+
+def test_cluster_options_are_checked_before_anything_starts(cluster):
+    with pytest.raises(LaunchError, match="num_nodes=N"):
+        nblaunch.notebook_launcher(where_am_i, num_processes=1, cluster="ray")
+    with pytest.raises(LaunchError, match="leave start_nodes='ssh' out"):
+        nblaunch.notebook_launcher(
+            where_am_i, num_processes=1, num_nodes=2, cluster="ray", start_nodes="ssh"
+        )
+    with pytest.raises(LaunchError, match="give 'ray' or nblaunch.RayCluster"):
+        nblaunch.notebook_launcher(where_am_i, num_processes=1, num_nodes=2, cluster="k8s")
+
+
+def test_without_ray_the_error_names_the_install(monkeypatch):
+    from nblaunch.cluster import ray_nodes
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(LaunchError, match=r"pip install 'nblaunch\[ray\]'"):
+        ray_nodes.connect(ray_nodes.RayCluster())
+
+
+def test_a_pool_keeps_its_agents_across_cells(cluster):
+    with nblaunch.Pool(1, num_nodes=3, cluster="ray", display="none") as pool:
+        first = pool.run(where_am_i)
+        second = pool.run(where_am_i)
+        assert [pid for _, _, pid, _ in first] == [pid for _, _, pid, _ in second]
+        assert [total for *_, total in second] == [6.0, 6.0, 6.0]
+        assert len(pool.nodes.starter.started) == 2
+
+
+def waits_forever(folder):
+    import pathlib
+
+    import torch.distributed as dist
+
+    pathlib.Path(folder, f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.1)
+
+
+def test_a_lost_node_ends_the_run_naming_it_and_leaves_no_rank(cluster, tmp_path):
+    workers = [node for node in cluster.worker_nodes]
+
+    def lose_a_node():
+        if wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 3, 60):
+            cluster.remove_node(workers[-1])
+
+    threading.Thread(target=lose_a_node, daemon=True).start()
+    began = time.monotonic()
+    try:
+        with pytest.raises((RankFailedError, LaunchError)) as info:
+            nblaunch.notebook_launcher(
+                waits_forever,
+                (str(tmp_path),),
+                num_processes=1,
+                num_nodes=3,
+                cluster="ray",
+                display="none",
+            )
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        assert len(pids) == 3
+        assert "node" in str(info.value), str(info.value)
+        lost_at = time.monotonic() - began
+        print(f"lost node named after {lost_at:.1f} s: {info.value}")
+        assert lost_at < 60, lost_at
+        assert wait_until(lambda: not any(_alive(pid) for pid in pids), 15), pids
+    finally:
+        cluster.add_node(num_cpus=1)  # the next test's cluster has three nodes again
+        cluster.wait_for_nodes()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
