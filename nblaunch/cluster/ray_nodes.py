@@ -287,7 +287,6 @@ class RayStarter:
     secret: str
     run_id: str
     started: list[RayJoin] = field(default_factory=list)
-    method: str = "ray"
 
     def describe(self) -> str:
         nodes = ", ".join(f"{join.host} ({join.node['node_id'][:8]})" for join in self.started)
