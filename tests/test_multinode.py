@@ -567,7 +567,8 @@ def test_a_node_stopped_on_its_own_fails_the_run(nodes):
 
     thread = threading.Thread(target=cancel_the_other_node, daemon=True)
     thread.start()
-    with pytest.raises(RankFailedError, match="node 1 .* stopped its ranks on its own"):
+    stopped = r"node 1 .* stopped its ranks on its own: terminated on this node \(SIGTERM"
+    with pytest.raises(RankFailedError, match=stopped):
         nodes.launch(_sleep_forever, view=view)
     thread.join(5)
     assert joiner.wait(15) == 1, joiner.output()

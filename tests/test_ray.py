@@ -9,6 +9,7 @@ saying so.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -192,7 +193,10 @@ def test_a_lost_node_ends_the_run_naming_it_and_leaves_no_rank(cluster, tmp_path
             )
         pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
         assert len(pids) == 3
-        assert "node" in str(info.value), str(info.value)
+        # The join ends with its agent (SIGTERM, and it says so), or goes silent with its node:
+        # either way the node is named.
+        named = r"node \d .*(its Ray agent ended|sent nothing for \d+ s)"
+        assert re.search(named, str(info.value)), str(info.value)
         lost_at = time.monotonic() - began
         print(f"lost node named after {lost_at:.1f} s: {info.value}")
         assert lost_at < 60, lost_at

@@ -40,6 +40,11 @@ GATHER_POLL_S = 0.25
 NOTEBOOK_SILENCE_S = 8.0
 
 
+class Terminated(KeyboardInterrupt):
+    """A join was sent SIGTERM (``kill``, ``scancel``, or its Ray agent ended): it stops its
+    ranks as on Ctrl-C, and the notebook is told it was terminated."""
+
+
 class Keys:
     """Names of the store keys of one run (all under ``nblaunch/<run id>/``)."""
 

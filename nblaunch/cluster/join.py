@@ -25,6 +25,7 @@ from nblaunch.cluster.channel import (
     GATHER_POLL_S,
     NOTEBOOK_SILENCE_S,
     Keys,
+    Terminated,
     first_line,
     local_host_name,
     rank_span,
@@ -362,7 +363,7 @@ def _terminate_as_interrupt() -> None:
     """Take SIGTERM (``scancel``, ``kill``) like Ctrl-C: stop the ranks, tell the notebook."""
 
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        raise Terminated
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt)

@@ -22,6 +22,7 @@ from nblaunch.cluster.channel import (
     CONTROL_REJOIN,
     CONTROL_STOP,
     Keys,
+    Terminated,
     Uplink,
     beat_store,
     first_line,
@@ -150,6 +151,8 @@ class NodeRun:
                 elif control == CONTROL_REJOIN:
                     outcome = "stopped: the pool restarts"
                     break
+        except Terminated:
+            outcome = "terminated on this node (SIGTERM: kill, scancel, or its Ray agent ended)"
         except KeyboardInterrupt:
             outcome = "interrupted on this node"
         except Exception as exc:  # starting the ranks failed: the notebook must hear why
