@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch.cluster.trust import SECRET_ENV
+from nblaunch.engine.plan.launch_plan import choose_port
 from nblaunch.errors import LaunchError
 
 # How long the agents' joins get to end with their run before they are stopped.
@@ -153,10 +154,7 @@ def rendezvous_endpoint(ray: Any, given: str | None) -> str:
     if given:
         return given
     host = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
-    return f"{host}:{port}"
+    return f"{host}:{choose_port(host, None)}"
 
 
 def bundle_for(device_type: str, nproc_per_node: int, extra: dict[str, float]) -> dict[str, float]:

@@ -46,7 +46,7 @@ from nblaunch.engine.pool.messages import (
     TASK,
     WAIT,
 )
-from nblaunch.engine.pool.pool_engine import START_TIMEOUT_S
+from nblaunch.engine.pool.pool_engine import START_TIMEOUT_S, checked_task_ranks
 from nblaunch.engine.pool.task_end import TaskGuard
 from nblaunch.errors import LaunchError
 from nblaunch.events import EventSink, Lifecycle
@@ -224,10 +224,7 @@ class HostPool:
         """The ranks a task asked for, checked; raises ``LaunchError`` unless the pool can take
         a task now."""
         self._check_usable()
-        task_ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
-        if not task_ranks or any(not 0 <= r < self.world_size for r in task_ranks):
-            raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{self.world_size - 1}")
-        return task_ranks
+        return checked_task_ranks(ranks, self.world_size)
 
     def run_task(
         self,

@@ -45,6 +45,14 @@ class Nodes(Protocol):
     def end_joins(self) -> None: ...
 
 
+def checked_task_ranks(ranks: list[int] | None, world_size: int) -> list[int]:
+    """The ranks a task asked for (None: all), sorted, or ``LaunchError`` naming the pool's."""
+    task_ranks = list(range(world_size)) if ranks is None else sorted(set(ranks))
+    if not task_ranks or any(not 0 <= r < world_size for r in task_ranks):
+        raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{world_size - 1}")
+    return task_ranks
+
+
 def _pool_task() -> None:
     """Stands in for the function during planning: a pool's tasks come later."""
 
@@ -229,10 +237,7 @@ class PoolEngine:
         """The ranks a task asked for, checked; raises ``LaunchError`` unless the pool can take
         a task on them now."""
         self._check_usable()
-        task_ranks = list(range(self.world_size)) if ranks is None else sorted(set(ranks))
-        if not task_ranks or any(not 0 <= r < self.world_size for r in task_ranks):
-            raise LaunchError(f"ranks {ranks!r}: the pool has ranks 0-{self.world_size - 1}")
-        return task_ranks
+        return checked_task_ranks(ranks, self.world_size)
 
     def reserve(self, description: str) -> None:
         """Hold the pool for a task that starts on a thread soon (``--bg``): no other cell slips
