@@ -22,6 +22,7 @@ SETUP = """
 import gc, json, os, sys, threading, time
 import nblaunch
 import nblaunch.engine.detached.registry
+import nblaunch.engine.processes.spares
 
 def quick():
     return nblaunch.rank()
@@ -49,6 +50,8 @@ def stop(h):
         pass
 
 def count(what):
+    # The spare ranks forked after each launch hold pipes: count once they are all there.
+    nblaunch.engine.processes.spares.pids()
     pid = os.getpid()
     with open("/proc/net/unix") as f:
         checks = sum(f"@nblaunch-checks-{pid}-" in line for line in f)

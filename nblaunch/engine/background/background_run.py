@@ -168,10 +168,13 @@ class BackgroundTask:
             self._error = exc
             self._error_tb = tracebacks.without_launcher_frames(exc.__traceback__)
         finally:
-            self._done.set()
-            _going.discard(self)
-            if self._after is not None and not self._exiting:
-                self._after()
+            # Before the end is told: whoever waits on the result finds the spares asked for.
+            try:
+                if self._after is not None and not self._exiting:
+                    self._after()
+            finally:
+                self._done.set()
+                _going.discard(self)
 
     @property
     def state(self) -> Lifecycle:
