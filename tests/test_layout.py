@@ -37,8 +37,9 @@ ALLOWED = {
     "ranks": {"shared", "ranks"},
     "engine": {"shared", "ranks", "engine"},
     "cluster": {"shared", "ranks", "engine", "cluster"},
-    # A detached pool's host runs the engine's pool headless: nothing of the front ends.
-    "host": {"shared", "ranks", "engine", "host"},
+    # A detached run's host runs the engine headless (and, for a run on several machines, the
+    # notebook node's side of it): nothing of the front ends.
+    "host": {"shared", "ranks", "engine", "cluster", "host"},
     "notebook": {"shared", "ranks", "engine", "cluster", "notebook"},
     # The runs panel's server extension runs in the Jupyter server: it reads and stops runs
     # through the engine, never through the notebook's front ends (no kernel, no IPython).

@@ -26,6 +26,7 @@ from nblaunch import (
     LaunchError,
     RankFailedError,
     RendezvousTimeoutError,
+    RunStoppedError,
     notebook_launcher,
 )
 from nblaunch.cluster import head as cluster_head
@@ -611,3 +612,25 @@ def test_a_run_id_that_cannot_name_a_run_is_refused(bad):
         notebook_launcher(
             print, num_processes=1, num_nodes=2, rdzv_endpoint=f"{HEAD}:{free_port()}", rdzv_id=bad
         )
+
+
+@pytest.mark.slow
+def test_a_run_on_two_nodes_goes_on_detached_and_in_the_background(nodes, tmp_path, monkeypatch):
+    monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(tmp_path / "detached"))
+    options = dict(num_nodes=2, rdzv_endpoint=nodes.endpoint, rdzv_timeout=60, device_type="cpu")
+    handle = notebook_launcher(
+        _rank_and_run_id, (), 1, rdzv_id=nodes.run_id, detach=True, display="none", **options
+    )
+    assert handle.detached and handle.state == "running"  # its host waits for the other node
+    nodes.start_joiner()
+    assert handle.result(60) == [("0", nodes.run_id), ("1", nodes.run_id)]
+    assert "all 2 nodes joined" in (handle.run_dir / "nodes.log").read_text()
+
+    # In the background, stopped while the nodes gather: the rendezvous closes, nothing is left.
+    waiting = notebook_launcher(print, (), 1, block=False, display="none", **options)
+    assert wait_until(lambda: port_answers(HEAD, nodes.port), 20)
+    waiting.stop()
+    with pytest.raises(RunStoppedError):
+        waiting.result(10)
+    assert waiting.state == "stopped"
+    assert not port_answers(HEAD, nodes.port)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -153,15 +155,6 @@ def test_without_ray_the_error_names_the_install(monkeypatch):
         ray_nodes.connect(ray_nodes.RayCluster())
 
 
-def test_a_pool_keeps_its_agents_across_cells(cluster):
-    with nblaunch.Pool(1, num_nodes=3, cluster="ray", display="none") as pool:
-        first = pool.run(where_am_i)
-        second = pool.run(where_am_i)
-        assert [pid for _, _, pid, _ in first] == [pid for _, _, pid, _ in second]
-        assert [total for *_, total in second] == [6.0, 6.0, 6.0]
-        assert len(pool.nodes.starter.started) == 2
-
-
 def waits_forever(folder):
     import pathlib
 
@@ -212,3 +205,146 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_node_whose_versions_differ_is_named_before_anything_starts(cluster, monkeypatch):
+    from nblaunch.cluster import ray_nodes
+
+    # The agents report their node's real versions; this notebook says it has another torch.
+    real = ray_nodes.versions()
+    monkeypatch.setattr(ray_nodes, "versions", lambda: {**real, "torch": "0.0.1"})
+    with pytest.raises(LaunchError, match="differ from this one; nothing was started") as info:
+        nblaunch.notebook_launcher(
+            where_am_i, num_processes=1, num_nodes=3, cluster="ray", display="none"
+        )
+    nodes = str(info.value).splitlines()[1:3]  # each node, with only what differs
+    assert [re.sub(r"node \w+", "node ID", line.strip()) for line in nodes] == [
+        f"{socket.gethostname()} at 127.0.0.1 (Ray node ID): torch {real['torch']} (here 0.0.1)"
+    ] * 2, str(info.value)
+    assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
+
+
+def test_a_pool_keeps_its_agents_across_cells_and_restarts_after_a_lost_node(cluster, tmp_path):
+    worker = next(iter(cluster.worker_nodes))
+    with nblaunch.Pool(1, num_nodes=3, cluster="ray", display="none") as pool:
+        first = pool.run(where_am_i)
+        second = pool.run(where_am_i)
+        assert [pid for _, _, pid, _ in first] == [pid for _, _, pid, _ in second]
+        assert [total for *_, total in second] == [6.0, 6.0, 6.0]
+        assert len(pool.nodes.starter.started) == 2
+        try:
+            threading.Timer(1.0, cluster.remove_node, (worker,)).start()
+            began = time.monotonic()
+            with pytest.raises(RankFailedError, match=r"node \d .*") as failure:
+                pool.run(waits_forever, str(tmp_path))
+            print(f"lost node named after {time.monotonic() - began:.1f} s")
+            assert "The pool lost node" in "\n".join(getattr(failure.value, "__notes__", []))
+        finally:
+            cluster.add_node(num_cpus=1)  # where Ray places the lost node's bundle again
+            cluster.wait_for_nodes()
+        pool.restart()
+        again = pool.run(where_am_i)
+        assert [total for *_, total in again] == [6.0, 6.0, 6.0]
+        assert again[0][2] != first[0][2]  # fresh ranks, on three nodes again
+
+
+def test_a_background_run_on_three_nodes_frees_the_cell_and_stops_everywhere(cluster, tmp_path):
+    handle = nblaunch.notebook_launcher(
+        where_am_i, num_processes=1, num_nodes=3, cluster="ray", block=False, display="none"
+    )
+    assert [(rank, total) for rank, _, _, total in handle.result(90)] == [
+        (0, 6.0),
+        (1, 6.0),
+        (2, 6.0),
+    ]
+    handle = nblaunch.notebook_launcher(
+        waits_forever,
+        (str(tmp_path),),
+        num_processes=1,
+        num_nodes=3,
+        cluster="ray",
+        block=False,
+        display="none",
+    )
+    assert handle.state == "running"  # the cell is free while the nodes gather and run
+    assert wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 3, 60)
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    handle.stop()
+    with pytest.raises(nblaunch.RunStoppedError):
+        handle.result(30)
+    assert handle.state == "stopped"
+    assert wait_until(lambda: not any(_alive(pid) for pid in pids), 15), pids
+
+
+DETACHING = """
+import sys, nblaunch, ray
+ray.init(address=sys.argv[1])
+
+def where():
+    import os
+    import torch.distributed as dist
+    return dist.get_rank(), dist.get_world_size(), os.getpid()
+
+handle = nblaunch.notebook_launcher(
+    where, num_processes=1, num_nodes=3, cluster="ray", detach=True, display="none"
+)
+print(handle.id, flush=True)
+"""
+
+
+def test_a_detached_run_on_three_nodes_outlives_its_process_and_is_attached_again(
+    cluster, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(tmp_path / "detached"))
+    started = subprocess.run(
+        [sys.executable, "-c", DETACHING, cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NBLAUNCH_SPARE_RANKS": "0"},
+    )
+    assert started.returncode == 0, started.stderr[-3000:]
+    run_id = started.stdout.split()[-1]  # the process that started it has ended
+    handle = nblaunch.attach(run_id)
+    values = handle.result(90)
+    assert [(rank, size) for rank, size, _ in values] == [(0, 3), (1, 3), (2, 3)]
+    assert len({pid for *_, pid in values}) == 3
+    assert handle.state == "done"
+    log = (handle.run_dir / "nodes.log").read_text()
+    assert "Ray placed the other node(s)" in log, log
+
+
+def test_in_a_kernel_the_magics_run_a_cell_on_three_ray_nodes(cluster, tmp_path):
+    from conftest import Kernel
+
+    kernel = Kernel(tmp_path)
+    try:
+        setup = kernel.run(
+            f"import os, ray\nos.environ['NBLAUNCH_RUN_DIR'] = {str(tmp_path / 'runs')!r}\n"
+            f"ray.init(address={cluster.address!r})\n%load_ext nblaunch"
+        )
+        assert setup["error"] is None, setup
+        cell = kernel.run(
+            "%%distributed -n 1 --nodes 3 --cluster ray\n"
+            "import socket\n"
+            "print(f'rank {rank} says hi', flush=True)\n"
+            "x = rank * 10\n"
+            "x",
+            timeout=120,
+        )
+        assert cell["error"] is None, cell
+        assert cell["result"] == "0", cell  # rank 0's value, as on one machine
+        # The lines went to the cell's widget; every rank's log is on the notebook's node too.
+        (run_dir,) = (tmp_path / "runs").iterdir()
+        for rank in range(3):
+            log = (run_dir / f"rank{rank}.log").read_text()
+            assert log.count(f"rank {rank} says hi") == 1, log
+        assert "JoinAgent" not in cell["out"] and "pid=" not in cell["out"], cell["out"]
+        background = kernel.run(
+            "%%distributed -n 1 --nodes 3 --cluster ray --bg\nrank + 100", timeout=60
+        )
+        assert background["error"] is None, background
+        done = kernel.run("_.result(90)", timeout=120)
+        assert done["error"] is None and done["result"] == "100", done
+    finally:
+        kernel.close()

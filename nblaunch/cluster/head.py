@@ -121,7 +121,11 @@ class Head:
         )
 
     def rendezvous(
-        self, payload: bytes | None, timeout: float, starter: NodeStarter | None = None
+        self,
+        payload: bytes | None,
+        timeout: float,
+        starter: NodeStarter | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         """Publish the run, wait for every node, and show each one as it arrives.
 
@@ -134,7 +138,7 @@ class Head:
         LaunchError
             When a node reported that it cannot take part, or the rendezvous broke down.
         """
-        Rendezvous(self).run(payload, timeout, starter)
+        Rendezvous(self).run(payload, timeout, starter, stop)
 
     # --- while the ranks run -----------------------------------------------------------------
 
@@ -284,12 +288,19 @@ class Rendezvous:
         self.head = head
         self.arrived: list[dict[str, Any]] = []  # hello records of the other nodes
 
-    def run(self, payload: bytes | None, timeout: float, starter: NodeStarter | None) -> None:
+    def run(
+        self,
+        payload: bytes | None,
+        timeout: float,
+        starter: NodeStarter | None,
+        stop: threading.Event | None = None,
+    ) -> None:
         """Publish the run, wait for every node, and show each one as it arrives.
 
         ``payload`` is the one-shot run's task; a pool's tasks come later
         (:meth:`Head.publish_task`). ``starter``: the join commands this notebook started, which
-        fail the rendezvous at once when one ends badly.
+        fail the rendezvous at once when one ends badly. ``stop``: set from another thread to
+        stop waiting, as the interrupt button does (a run that does not hold its cell).
 
         Raises
         ------
@@ -347,6 +358,8 @@ class Rendezvous:
                     thread.join(0.1)
                     self._take_hellos()
                     head.view.flush()
+                    if stop is not None and stop.is_set():
+                        raise KeyboardInterrupt
                     problem = starter.problem(others) if starter is not None else None
                     if problem is not None:
                         raise LaunchError(f"{problem}. Nothing was started.")

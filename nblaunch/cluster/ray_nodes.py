@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import platform
 import signal
@@ -100,9 +101,10 @@ def as_ray_cluster(cluster: Any) -> RayCluster:
 
 def placed_by(
     cluster: Any, num_nodes: int | None, start_nodes: str | None, rdzv_endpoint: str | None
-) -> tuple[str, str]:
-    """The rendezvous endpoint and ``start_nodes`` of a run whose other nodes ``cluster`` (as
-    ``cluster=`` takes it) places.
+) -> tuple[str, str, RayCluster]:
+    """The rendezvous endpoint, ``start_nodes`` and cluster of a run whose other nodes
+    ``cluster`` (as ``cluster=`` takes it) places: the cluster's address is the one this
+    process is connected to, so that a run host (``detach=True``) reaches the same cluster.
 
     Raises
     ------
@@ -117,7 +119,10 @@ def placed_by(
             f"cluster={cluster!r} places the other nodes of a run on several machines: pass "
             "num_nodes=N (2 or more), this node included"
         )
-    return rendezvous_endpoint(connect(ray_cluster), rdzv_endpoint), "ray"
+    ray = connect(ray_cluster)
+    address = ray.get_runtime_context().gcs_address
+    endpoint = rendezvous_endpoint(ray, rdzv_endpoint)
+    return endpoint, "ray", dataclasses.replace(ray_cluster, address=address)
 
 
 def connect(cluster: RayCluster) -> Any:
@@ -426,7 +431,9 @@ def _check_versions(starter: RayStarter) -> None:
         theirs = join.node["versions"]
         differ = [f"{k} {theirs.get(k)} (here {v})" for k, v in mine.items() if theirs.get(k) != v]
         if differ:
-            problems.append(f"{join.host}: {', '.join(differ)}")
+            problems.append(
+                f"{join.host} (Ray node {join.node['node_id'][:8]}): {', '.join(differ)}"
+            )
     if problems:
         raise LaunchError(
             "the Ray nodes placed for this run differ from this one; nothing was started:\n  "

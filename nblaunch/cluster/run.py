@@ -42,6 +42,7 @@ node's side), this module (the run itself), :mod:`~nblaunch.cluster.join` and
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,11 +59,13 @@ from nblaunch.cluster.head import Head
 from nblaunch.cluster.node_start import NodeStarter
 from nblaunch.cluster.plan import MultiNodePlan, plan_nodes
 from nblaunch.cluster.store import require_store_queues, signal_handlers_kept
+from nblaunch.engine.background.background_run import BackgroundTask
+from nblaunch.engine.background.event_hub import EventHub
 from nblaunch.engine.monitors.protocol import Monitor
 from nblaunch.engine.output.relay import EventSource, Relay
 from nblaunch.engine.plan.launch_plan import serialize_payload
 from nblaunch.engine.run.run import Run
-from nblaunch.engine.verdict import Cause, RootCause
+from nblaunch.engine.verdict import Cause, Outcome, RootCause
 from nblaunch.errors import RankFailedError
 from nblaunch.events import EventSink, RunState
 from nblaunch.options import LaunchOptions, NodeOptions
@@ -121,28 +124,89 @@ def launch_multinode(
         The launch was interrupted; every rank on every node has been stopped.
     """
 
+    plan, payload = plan_multinode(function, args, num_processes, options, nodes, kwargs)
+    return MultiNodeLaunch(plan, view_factory(), nodes).execute(payload)
+
+
+def plan_multinode(
+    function: Any,
+    args: tuple[Any, ...] | list[Any],
+    num_processes: int | None,
+    options: LaunchOptions,
+    nodes: NodeOptions,
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[MultiNodePlan, bytes]:
+    """This node's plan and what every rank runs, the arguments checked (nothing started)."""
     require_store_queues()
     plan = plan_nodes(function, num_processes, options, nodes)
-    payload = serialize_payload(function, args, kwargs)
-    view = view_factory()
-    with signal_handlers_kept():
-        run: MultiNodeRun | None = None
-        starter: NodeStarter | None = None
-        try:
-            head = Head(plan, view)
+    return plan, serialize_payload(function, args, kwargs)
+
+
+def in_background(plan: MultiNodePlan, payload: bytes, nodes: NodeOptions) -> BackgroundTask:
+    """A multi-node run on a thread of this process (``block=False``), not started yet: the
+    nodes gather there too, so the cell is free at once."""
+    hub = EventHub()
+    launch = MultiNodeLaunch(plan, hub, nodes)
+    return BackgroundTask(
+        hub, plan.run_id, plan.run_dir, lambda: launch.execute(payload), launch.request_stop
+    )
+
+
+class MultiNodeLaunch:
+    """One multi-node run from its start to its end: the other nodes started (when asked),
+    their rendezvous, then the run; in the cell, on a thread (``block=False``) or in a run host
+    (``detach=True``).
+
+    Parameters
+    ----------
+    plan
+        This node's plan (:func:`~nblaunch.cluster.plan.plan_nodes`).
+    view
+        Where the events go; closed at the end.
+    nodes
+        How many machines, where they meet, and who starts their joins.
+    """
+
+    def __init__(self, plan: MultiNodePlan, view: EventSink, nodes: NodeOptions) -> None:
+        self.plan = plan
+        self.view = view
+        self.nodes = nodes
+        self.run: MultiNodeRun | None = None  # once every node joined
+        self._stop = threading.Event()
+
+    def execute(self, payload: bytes) -> list[Any]:
+        """Run ``payload`` on every rank of every node; see :func:`launch_multinode`."""
+        with signal_handlers_kept():
+            starter: NodeStarter | None = None
             try:
-                if nodes.start_nodes is not None:
-                    starter = head.start_joins(nodes)
-                head.rendezvous(payload, nodes.rdzv_timeout, starter)
-                run = MultiNodeRun(plan, view, head)
-                return run.execute(payload)
+                head = Head(self.plan, self.view)
+                try:
+                    if self.nodes.start_nodes is not None:
+                        starter = head.start_joins(self.nodes)
+                    head.rendezvous(payload, self.nodes.rdzv_timeout, starter, self._stop)
+                    self.run = MultiNodeRun(self.plan, self.view, head)
+                    if self._stop.is_set():  # asked while the nodes gathered
+                        self.run.request_stop()
+                    return self.run.execute(payload)
+                finally:
+                    head.close()
+                    if starter is not None:
+                        starter.close()
             finally:
-                head.close()
-                if starter is not None:
-                    starter.close()
-        finally:
-            if run is None:  # the run closes the view; before it exists, close it here
-                view.close()
+                if self.run is None:  # the run closes the view; before it exists, close it here
+                    self.view.close()
+
+    def request_stop(self) -> None:
+        """Stop as the interrupt button would, from any thread: while the nodes gather, or
+        once the ranks run (every node's)."""
+        self._stop.set()
+        if self.run is not None:
+            self.run.request_stop()
+
+    @property
+    def outcome(self) -> Outcome:
+        """The run's verdict so far (empty before the ranks started)."""
+        return self.run.outcome if self.run is not None else Outcome()
 
 
 class RemoteNodes:

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nblaunch import tracebacks
 from nblaunch.engine.background.background_run import state_of, stopped_error
@@ -37,6 +37,9 @@ from nblaunch.engine.run.run import Run
 from nblaunch.events import Lifecycle
 from nblaunch.host.outcome import pickled, write_private
 from nblaunch.host.serve import StreamServer
+
+if TYPE_CHECKING:
+    from nblaunch.cluster.run import MultiNodeLaunch
 
 # The outcome the disk refused is kept this long at most for a notebook to attach and take it,
 HOLD_S = 24 * 3600.0
@@ -70,7 +73,13 @@ def run_detached(run_dir: Path, launch: dict[str, Any], lease: RunLease) -> int:
     (the run alone would let go when its ranks ended)."""
     plan = dataclasses.replace(launch["plan"], run_lease=None)
     hub = EventHub()
-    run = Run(plan, hub)
+    run: Run | MultiNodeLaunch
+    if launch.get("nodes") is not None:  # this host is the notebook node of a multi-node run
+        from nblaunch.cluster.run import MultiNodeLaunch
+
+        run = MultiNodeLaunch(plan, hub, launch["nodes"])
+    else:
+        run = Run(plan, hub)
     run_id = launch.get("run_id", plan.run_id)  # unique in the registry (detached.claim_id)
     server = StreamServer(detached.socket_path(run_dir), hub, run.request_stop)
     entry = detached.Entry(

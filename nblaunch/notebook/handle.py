@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nblaunch.engine.background.background_run import BackgroundRun, RunControl
+from nblaunch.engine.background.background_run import BackgroundRun, BackgroundTask, RunControl
 from nblaunch.engine.background.event_hub import EventHub
 from nblaunch.engine.detached import attached
 from nblaunch.engine.detached import registry as detached
@@ -28,6 +28,7 @@ from nblaunch.engine.plan.launch_plan import LaunchPlan
 from nblaunch.engine.processes import spares
 from nblaunch.engine.run.run import Run
 from nblaunch.events import EventSink, Lifecycle
+from nblaunch.options import NodeOptions
 
 # Handles of this kernel's background and detached runs, oldest first; past MAX_REMEMBERED the
 # oldest ended ones are forgotten (each keeps its run's history for views).
@@ -168,14 +169,20 @@ def launch_in_background(
     detach: bool,
     function: str = "",
     views: dict[str, Any] | None = None,
+    nodes: NodeOptions | None = None,
 ) -> RunHandle:
-    """Start the run of ``plan`` without holding the cell; show its view here unless ``"none"``."""
+    """Start the run of ``plan`` without holding the cell; show its view here unless ``"none"``.
+    With ``nodes``, a multi-node run (``plan`` is this node's)."""
     control: RunControl
     if detach:
-        entry = detached.start_run_host(plan, payload, function)
+        entry = detached.start_run_host(plan, payload, function, nodes)
         control = attached.AttachedRun(entry)
         # The header now, while this cell runs: the view is built in it.
         control.header = plan.run_info(time.time())
+    elif nodes is not None:
+        from nblaunch.cluster.run import in_background  # not at import: ~9 ms, rarely used
+
+        control = in_background(plan, payload, nodes)  # type: ignore[arg-type]
     else:
         run = Run(plan, EventHub())
         control = BackgroundRun(
@@ -186,7 +193,7 @@ def launch_in_background(
     handle = RunHandle(control, detached=detach, views=views)
     if display != "none":
         handle.view(display)
-    if isinstance(control, BackgroundRun):
+    if isinstance(control, BackgroundTask):
         control.start()  # the ranks start here; the header reaches the view in this cell
     return remember(handle)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nblaunch.engine.plan.launch_plan import (  # noqa: F401  (kept importable from here)
     LaunchPlan,
@@ -39,6 +39,9 @@ from nblaunch.options import (
     NodeOptions,
     format_line_prefix,
 )
+
+if TYPE_CHECKING:
+    from nblaunch.notebook.handle import RunHandle
 
 
 def notebook_launcher(
@@ -164,10 +167,12 @@ def notebook_launcher(
         ``${local_rank}``, ``${role_name}`` too). Default ``"[rank N] "``.
     block
         ``False``: start the ranks, show the live view and return a ``RunHandle`` at once; the
-        run goes on in the background while other cells run (see docs/background.md).
+        run goes on in the background while other cells run (see docs/background.md). With
+        ``num_nodes``, the call returns before the other nodes gather.
     detach
         Like ``block=False``, but the ranks run under a run host of their own that outlives
         this kernel (a restart, a crash); ``nblaunch.attach()`` in a new kernel gets it back.
+        With ``num_nodes``, the run host is the notebook node (it hosts the rendezvous).
 
     Returns
     -------
@@ -242,12 +247,18 @@ def notebook_launcher(
     if log_line_prefix_template is not None:
         format_line_prefix(log_line_prefix_template, 0)  # named before anything starts
     background = detach or not block
-    if background:
-        _refuse_in_background(debug_on_error, num_nodes, rdzv_endpoint, start_nodes, detach)
+    if background and debug_on_error:
+        raise LaunchError(
+            f"debug_on_error=True needs the cell: its prompts wait in it. Leave "
+            f"{'detach=True' if detach else 'block=False'} out to debug, or use "
+            "nblaunch.breakpoint() in a blocking launch"
+        )
     if cluster is not None:
         from nblaunch.cluster.ray_nodes import placed_by  # not at import: Ray only when asked
 
-        rdzv_endpoint, start_nodes = placed_by(cluster, num_nodes, start_nodes, rdzv_endpoint)
+        rdzv_endpoint, start_nodes, cluster = placed_by(
+            cluster, num_nodes, start_nodes, rdzv_endpoint
+        )
     options = LaunchOptions(
         start_method=start_method,
         debug=debug,
@@ -279,9 +290,12 @@ def notebook_launcher(
         nodes = NodeOptions(
             num_nodes, rdzv_endpoint, rdzv_timeout, rdzv_id, start_nodes, hostfile, cluster
         )
-        from nblaunch.cluster.run import launch_multinode  # not at import: ~9 ms, rarely used
+        from nblaunch.cluster.run import launch_multinode, plan_multinode  # not at import
         from nblaunch.notebook.views import choose_view
 
+        if background:
+            plan, payload = plan_multinode(function, args, num_processes, options, nodes, kwargs)
+            return _in_background(function, plan, payload, display, detach, views, nodes)
         return launch_multinode(
             function,
             args,
@@ -296,12 +310,7 @@ def notebook_launcher(
     from nblaunch.notebook.views import choose_view  # not at import: ~12 ms
 
     if background:
-        from nblaunch.notebook.handle import launch_in_background
-
-        name = getattr(function, "__qualname__", type(function).__name__)
-        return launch_in_background(
-            plan, payload, display, detach=detach, function=name, views=views
-        )
+        return _in_background(function, plan, payload, display, detach, views)
     # A live widget is deferred: a quick launch shows its summary.
     view = choose_view(display, **views)
     try:
@@ -317,24 +326,22 @@ def _keyword_defaults() -> dict[str, Any]:
     return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY}
 
 
-def _refuse_in_background(
-    debug_on_error: bool,
-    num_nodes: int,
-    rdzv_endpoint: str | None,
-    start_nodes: str | None,
+def _in_background(
+    function: Any,
+    plan: LaunchPlan,
+    payload: bytes,
+    display: str,
     detach: bool,
-) -> None:
-    """What a run that does not hold its cell cannot do yet, said before anything starts."""
-    how = "detach=True" if detach else "block=False"
-    if debug_on_error:
-        raise LaunchError(
-            f"debug_on_error=True needs the cell: its prompts wait in it. Leave {how} out to "
-            "debug, or use nblaunch.breakpoint() in a blocking launch"
-        )
-    if num_nodes != 1 or rdzv_endpoint is not None or start_nodes:
-        raise LaunchError(
-            f"{how} runs on this machine only for now: leave it out for a multi-node run"
-        )
+    views: dict[str, Any],
+    nodes: NodeOptions | None = None,
+) -> RunHandle:
+    """The handle of a run that does not hold its cell (``block=False`` or ``detach=True``)."""
+    from nblaunch.notebook.handle import launch_in_background
+
+    name = getattr(function, "__qualname__", type(function).__name__)
+    return launch_in_background(
+        plan, payload, display, detach=detach, function=name, views=views, nodes=nodes
+    )
 
 
 def debug_launcher(function: Any, args: tuple[Any, ...] = (), num_processes: int = 2) -> list[Any]:

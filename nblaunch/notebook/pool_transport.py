@@ -108,7 +108,7 @@ def make_transport(
     if cluster is not None:
         from nblaunch.cluster.ray_nodes import placed_by  # not at import: Ray only when asked
 
-        endpoint, start_nodes = placed_by(cluster, num_nodes, start_nodes, endpoint)
+        endpoint, start_nodes, cluster = placed_by(cluster, num_nodes, start_nodes, endpoint)
     if num_nodes is not None:
         from nblaunch.cluster.pool_nodes import PoolNodes  # not at import: ~10 ms
 

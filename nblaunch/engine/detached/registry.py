@@ -37,6 +37,7 @@ from nblaunch.engine.plan.launch_plan import LaunchPlan
 from nblaunch.engine.plan.run_dirs import RunLease
 from nblaunch.errors import LaunchError
 from nblaunch.events import Lifecycle
+from nblaunch.options import NodeOptions
 
 # The state of an entry whose host is being started (its id is taken).
 # How long the host may take to start (it imports torch and starts a forkserver).
@@ -293,9 +294,13 @@ def _free_id(entry_path: Path) -> None:
         entry_path.unlink(missing_ok=True)
 
 
-def start_run_host(plan: LaunchPlan, payload: bytes, function: str = "") -> Entry:
-    """Start the run host of a detached one-shot run (``notebook_launcher(detach=True)``)."""
+def start_run_host(
+    plan: LaunchPlan, payload: bytes, function: str = "", nodes: NodeOptions | None = None
+) -> Entry:
+    """Start the run host of a detached one-shot run (``notebook_launcher(detach=True)``); with
+    ``nodes``, of a multi-node run (the host is its notebook node: it hosts the rendezvous and
+    starts the other nodes' joins, if asked)."""
     assert plan.run_dir is not None and plan.run_lease is not None
     launch = {"kind": "run", "plan": dataclasses.replace(plan, run_lease=None)}
-    launch.update(payload=payload, function=function)
+    launch.update(payload=payload, function=function, nodes=nodes)
     return start_host(plan.run_dir, plan.run_lease, launch)
