@@ -17,6 +17,14 @@ comparison, on loopback (both sides in this namespace, on 127.0.0.2).
 Prints one markdown table per part.
 
     sudo python benchmarks/bench_network.py [--repeat 3] [--lines 50000]
+
+``--ray`` measures runs whose other nodes a Ray cluster places instead (no root needed): a
+``ray.cluster_utils.Cluster`` of 3 nodes on this machine (a head and two workers, each its own
+raylet with 1 CPU), 1 rank per node, ``cluster="ray"``: the launch from the call to every
+value (the first of the process, then the next ones), to a rank's own error from another node,
+and to a lost node (its raylet removed while the ranks run) named, counted from the removal.
+
+    python benchmarks/bench_network.py --ray [--repeat 5]
 """
 
 from __future__ import annotations
@@ -192,11 +200,108 @@ def seconds(values: list[float | None]) -> str:
     )
 
 
+def ray_values():
+    import torch
+    import torch.distributed as dist
+
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return float(total)
+
+
+def ray_fails():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 2:
+        raise ValueError("rank 2 fails")
+    dist.barrier()
+
+
+def ray_waits(folder):
+    import pathlib
+
+    import torch.distributed as dist
+
+    pathlib.Path(folder, f"{dist.get_rank()}.up").touch()
+    time.sleep(600)
+
+
+def ray_part(repeat: int) -> None:
+    """The Ray rows (see the module's doc)."""
+    import threading
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every daemon on 127.0.0.1
+    import cloudpickle
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import nblaunch
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # no checkout on the nodes
+    began = time.monotonic()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    started = time.monotonic() - began
+    launch = {"cluster": "ray", "num_processes": 1, "num_nodes": 3, "display": "none"}
+    cold: list[float | None] = []
+    warm: list[float | None] = []
+    failed: list[float | None] = []
+    lost: list[float | None] = []
+    try:
+        for attempt in range(repeat + 1):
+            t = time.monotonic()
+            assert nblaunch.notebook_launcher(ray_values, **launch) == [3.0] * 3
+            (cold if attempt == 0 else warm).append(time.monotonic() - t)
+        for _ in range(repeat):
+            t = time.monotonic()
+            try:
+                nblaunch.notebook_launcher(ray_fails, **launch)
+            except ValueError:
+                failed.append(time.monotonic() - t)
+        for _ in range(repeat):
+            with tempfile.TemporaryDirectory() as folder:
+                worker = next(iter(cluster.worker_nodes))
+                removed: list[float] = []
+
+                def remove(folder: str = folder, worker=worker, removed=removed) -> None:
+                    deadline = time.monotonic() + 120
+                    while len(os.listdir(folder)) < 3 and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    removed.append(time.monotonic())
+                    cluster.remove_node(worker)
+
+                threading.Thread(target=remove, daemon=True).start()
+                try:
+                    nblaunch.notebook_launcher(ray_waits, (folder,), **launch)
+                except (nblaunch.RankFailedError, nblaunch.LaunchError) as exc:
+                    named = "node" in str(exc) and removed
+                    lost.append(time.monotonic() - removed[0] if named else None)
+                cluster.add_node(num_cpus=1)
+                cluster.wait_for_nodes()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(f"Ray cluster of 3 nodes started in {started:.1f} s (not counted below)\n")
+    print("| Ray, 3 nodes x 1 CPU rank | seconds |")
+    print("|---|---|")
+    print(f"| launch, first of the process (call to every value) | {seconds(cold)} |")
+    print(f"| launch, the next ones | {seconds(warm)} |")
+    print(f"| a rank's error on another node, from the call | {seconds(failed)} |")
+    print(f"| a lost node (raylet removed) named, from the removal | {seconds(lost)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--lines", type=int, default=50_000)
+    parser.add_argument("--ray", action="store_true", help="the Ray rows only")
     args = parser.parse_args()
+    if args.ray:
+        ray_part(args.repeat)
+        return
     reason = skip_reason()
     if reason:
         sys.exit(f"bench_network: {reason}")

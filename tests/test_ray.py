@@ -167,13 +167,14 @@ def waits_forever(folder):
 
 def test_a_lost_node_ends_the_run_naming_it_and_leaves_no_rank(cluster, tmp_path):
     workers = [node for node in cluster.worker_nodes]
+    removed: list[float] = []
 
     def lose_a_node():
         if wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 3, 60):
+            removed.append(time.monotonic())
             cluster.remove_node(workers[-1])
 
     threading.Thread(target=lose_a_node, daemon=True).start()
-    began = time.monotonic()
     try:
         with pytest.raises((RankFailedError, LaunchError)) as info:
             nblaunch.notebook_launcher(
@@ -184,15 +185,15 @@ def test_a_lost_node_ends_the_run_naming_it_and_leaves_no_rank(cluster, tmp_path
                 cluster="ray",
                 display="none",
             )
+        named_after = time.monotonic() - removed[0]
         pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
         assert len(pids) == 3
-        # The join ends with its agent (SIGTERM, and it says so), or goes silent with its node:
-        # either way the node is named.
-        named = r"node \d .*(its Ray agent ended|sent nothing for \d+ s)"
+        # Ray reports the agent dead, or the join says it was ended (SIGTERM when its agent
+        # died): well before the node's silence (8 s) would tell.
+        named = r"node \d .*(its Ray agent died|its Ray agent ended|its join was killed)"
         assert re.search(named, str(info.value)), str(info.value)
-        lost_at = time.monotonic() - began
-        print(f"lost node named after {lost_at:.1f} s: {info.value}")
-        assert lost_at < 60, lost_at
+        print(f"lost node named {named_after:.1f} s after its removal: {info.value}")
+        assert named_after < 4, named_after
         assert wait_until(lambda: not any(_alive(pid) for pid in pids), 15), pids
     finally:
         cluster.add_node(num_cpus=1)  # the next test's cluster has three nodes again

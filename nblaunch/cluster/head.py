@@ -62,6 +62,7 @@ class Head:
         self.handler: Any = None  # torch's rendezvous handler (set by Rendezvous), left at close
         here = plan.route.address if plan.route else None
         self.hosts: dict[int, str] = {0: local_host_name(here)}  # node rank -> name
+        self.join_pids: dict[int, int] = {}  # node rank -> its join's pid (on its machine)
         self.last_seen: dict[int, float] = {}  # node rank -> monotonic time of its last batch
         self.silence_s = NODE_SILENCE_S  # read here, so that a test can shorten it
         self.peer_silence_s = PEER_SILENCE_S

@@ -84,6 +84,11 @@ class NodeStarter:
             self._start_ended_again(nodes)
         return None
 
+    def lost(self) -> dict[int, str]:
+        """Joins their starter knows lost while the run goes on, by pid: none here (over ssh and
+        srun a lost node is known by its silence)."""
+        return {}
+
     def renew(self, nodes: int) -> None:
         """Before a pool's next start on ``nodes`` other nodes: the commands still running join
         it by themselves; as many of those that ended as it needs are started again."""

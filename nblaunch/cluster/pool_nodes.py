@@ -50,7 +50,7 @@ class PoolNodes:
             head.close()
             self.end_joins()
             raise
-        return MultiNodeRun(plan, NullView(), head)
+        return MultiNodeRun(plan, NullView(), head, self.starter)
 
     def end_joins(self) -> None:
         """The join commands this pool started end with it (they are given a while)."""

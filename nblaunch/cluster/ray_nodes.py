@@ -17,7 +17,9 @@ root cause, hang proofs, the checks) is nblaunch's, as on any network.
   reach the notebook once, through nblaunch's relay, without Ray's prefixes.
 - The join dies with its agent (``PR_SET_PDEATHSIG``): a node whose raylet is lost takes its
   join down, which stops that node's ranks (they watch their launcher), and the notebook names
-  the node.
+  the node: as soon as Ray reports the agent dead (each agent has a call pending that returns
+  when its join ends), or when the node has been silent for the heartbeat's limit, whichever
+  comes first.
 
 Ray is imported only here, and only when a run asks for it (``pip install 'nblaunch[ray]'``).
 """
@@ -34,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,8 @@ from nblaunch.errors import LaunchError
 
 # How long the agents' joins get to end with their run before they are stopped.
 END_WAIT_S = 15.0
+# How often a run looks whether Ray reported an agent dead (a look costs ~0.1 ms).
+LOOK_S = 0.25
 # PR_SET_PDEATHSIG, from <linux/prctl.h>.
 _PR_SET_PDEATHSIG = 1
 
@@ -170,16 +175,14 @@ def bundle_for(device_type: str, nproc_per_node: int, extra: dict[str, float]) -
 
 
 def versions() -> dict[str, str]:
-    """What must match between the notebook and every node."""
+    """What must match between the notebook and every node (read from the installed packages'
+    metadata: an agent that imported torch to say its version would take seconds more)."""
     from importlib import metadata
-
-    import ray
-    import torch
 
     return {
         "Python": platform.python_version(),
-        "Ray": ray.__version__,
-        "torch": torch.__version__,
+        "Ray": metadata.version("ray"),
+        "torch": metadata.version("torch"),
         "nblaunch": metadata.version("nblaunch"),
     }
 
@@ -197,9 +200,9 @@ class JoinAgent:
         self.log = folder / log_name
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, command: list[str], secret: str) -> None:
+    def start(self, command: list[str], secret: str) -> int:
         """Start the join (once every node is placed and checked: it looks for the run at
-        once)."""
+        once); its pid."""
         env = {**os.environ, SECRET_ENV: secret}
         fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
@@ -215,6 +218,13 @@ class JoinAgent:
             )
         finally:
             os.close(fd)
+        return self.process.pid
+
+    def ended(self) -> int:
+        """Wait for the join to end; its exit code. The notebook keeps this call pending: an
+        agent lost with its node never answers, and Ray says so at once."""
+        assert self.process is not None
+        return self.process.wait()
 
     def where(self) -> dict[str, Any]:
         """This node: Ray's id and address, the host name, and its versions."""
@@ -270,6 +280,8 @@ class RayJoin:
     bundle: int
     node: dict[str, Any]
     fresh: bool = True
+    pid: int | None = None  # the join's, once started
+    ended: Any = None  # the pending ``JoinAgent.ended`` call, once started
 
     def exit_code(self, ray: Any) -> int | None:
         """The join's exit code; None while it runs; -1 when the agent itself is gone."""
@@ -290,6 +302,7 @@ class RayStarter:
     secret: str
     run_id: str
     started: list[RayJoin] = field(default_factory=list)
+    _next_look: float = 0.0
 
     def describe(self) -> str:
         nodes = ", ".join(f"{join.host} ({join.node['node_id'][:8]})" for join in self.started)
@@ -309,6 +322,38 @@ class RayStarter:
                 )
         return None
 
+    def start(self, joins: list[RayJoin]) -> None:
+        """Start the join of each of ``joins``' agents, and watch each join's end."""
+        pids = self.ray.get([join.agent.start.remote(self.command, self.secret) for join in joins])
+        for join, pid in zip(joins, pids, strict=True):
+            join.pid, join.ended = pid, join.agent.ended.remote()
+
+    def lost(self) -> dict[int, str]:
+        """The joins lost since last asked, by pid (at most every :data:`LOOK_S`): those whose
+        agent Ray reports dead (its node or raylet was lost), or that were killed. A join that
+        ended by itself is not here: it says so through the store."""
+        now = time.monotonic()
+        watched = [join for join in self.started if join.ended is not None]
+        if not watched or now < self._next_look:
+            return {}
+        self._next_look = now + LOOK_S
+        ray = self.ray
+        refs = [join.ended for join in watched]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        lost = {}
+        for join in watched:
+            if join.ended not in ready:
+                continue
+            ref, join.ended = join.ended, None
+            try:
+                code = ray.get(ref, timeout=0)
+            except ray.exceptions.RayError:
+                lost[join.pid] = "its Ray agent died: the Ray node or its raylet was lost"
+                continue
+            if code < 0:
+                lost[join.pid] = f"its join was killed by signal {-code} on its Ray node"
+        return lost
+
     def renew(self, nodes: int) -> None:
         """Before a pool's next start: the joins still running join it by themselves; an agent
         whose join ended (or that was lost with its node) is started again on its bundle."""
@@ -318,7 +363,7 @@ class RayStarter:
                 with contextlib.suppress(Exception):
                     self.ray.kill(join.agent)
                 (self.started[index],) = _place_agents(self, [join.bundle])
-                self.ray.get(self.started[index].agent.start.remote(self.command, self.secret))
+                self.start([self.started[index]])
 
     def close(self, wait_s: float = END_WAIT_S) -> None:
         """Wait (bounded) for the joins to end with their run, stop those that do not, and give
@@ -367,7 +412,7 @@ def start_ray_joins(
     try:
         starter.started = _place_agents(starter, others)
         _check_versions(starter)
-        ray.get([join.agent.start.remote(command, secret) for join in starter.started])
+        starter.start(starter.started)
     except BaseException:
         starter.close(wait_s=0.0)
         raise
@@ -407,6 +452,7 @@ def _place_agents(starter: RayStarter, bundles: list[int]) -> list[RayJoin]:
     for bundle in bundles:
         actor = ray.remote(JoinAgent).options(
             num_cpus=0,  # the bundle's resources are the ranks'; the agent only waits
+            max_concurrency=4,  # its other calls are answered while ``ended`` waits
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 starter.group, placement_group_bundle_index=bundle
             ),

@@ -184,7 +184,7 @@ class MultiNodeLaunch:
                     if self.nodes.start_nodes is not None:
                         starter = head.start_joins(self.nodes)
                     head.rendezvous(payload, self.nodes.rdzv_timeout, starter, self._stop)
-                    self.run = MultiNodeRun(self.plan, self.view, head)
+                    self.run = MultiNodeRun(self.plan, self.view, head, starter)
                     if self._stop.is_set():  # asked while the nodes gathered
                         self.run.request_stop()
                     return self.run.execute(payload)
@@ -244,6 +244,7 @@ class RemoteNodes:
         what = news["what"]
         if what == "started":
             head.hosts[node] = news["host"]
+            head.join_pids[node] = news.get("pid", 0)
             span = rank_span(news["ranks"][0], news["ranks"][-1])
             head.info(f"node {node} started", f"{news['host']} runs {span}")
         elif what == "done":
@@ -272,10 +273,12 @@ class RemoteNodes:
 
 
 class _NodeMonitor:
-    """Fails the run when another node breaks down or goes silent (its ranks then count as lost)."""
+    """Fails the run when another node breaks down, goes silent, or its starter knows it lost
+    (its ranks then count as lost)."""
 
-    def __init__(self, head: Head) -> None:
+    def __init__(self, head: Head, starter: NodeStarter | None) -> None:
         self.head = head
+        self.starter = starter
 
     def on_event(self, run: Run, event: dict[str, Any]) -> None:
         pass
@@ -293,6 +296,9 @@ class _NodeMonitor:
             f"{NOTEBOOK_SILENCE_S:g} s"
         )
         problems = [(node, message, stopped) for node, message in head.errors]
+        # Its join is gone, and its ranks with it (they watch their launcher): nothing to tell.
+        gone = "the run was stopped on the other nodes; that node's ranks ended with its join"
+        problems += [(node, message, gone) for node, message in self._lost()]
         problems += [
             (
                 node,
@@ -317,7 +323,7 @@ class _NodeMonitor:
         if not problems:
             return None
         node, message, after = problems[0]
-        if after == untold:
+        if after != stopped:  # nobody waits for it to report its ranks stopped
             head.unreachable.add(node)
         plan = head.plan
         first = node * plan.nproc_per_node
@@ -336,6 +342,18 @@ class _NodeMonitor:
             exception=RankFailedError(text, rank=first, world_size=plan.world_size),
         )
 
+    def _lost(self) -> list[tuple[int, str]]:
+        """The nodes whose join its starter knows lost (a Ray agent reported dead)."""
+        head = self.head
+        if self.starter is None or head.control_sent is not None:
+            return []
+        lost = []
+        for pid, message in self.starter.lost().items():
+            node = next((n for n, p in head.join_pids.items() if p == pid), None)
+            if node is not None and node not in head.done:
+                lost.append((node, message))
+        return lost
+
 
 class MultiNodeRun(Run):
     """A :class:`~nblaunch.engine.run.run.Run` whose ranks live on several nodes.
@@ -348,8 +366,15 @@ class MultiNodeRun(Run):
 
     restarts_ranks = False  # other nodes' ranks cannot be started again from here
 
-    def __init__(self, plan: MultiNodePlan, view: EventSink, head: Head) -> None:
+    def __init__(
+        self,
+        plan: MultiNodePlan,
+        view: EventSink,
+        head: Head,
+        starter: NodeStarter | None = None,
+    ) -> None:
         self.head = head  # before the run's own set-up, which asks for its monitors
+        self.starter = starter  # what started the other nodes' joins, if this notebook did
         super().__init__(plan, view)
         self.announced = True  # the head showed the header before the rendezvous
 
@@ -360,7 +385,7 @@ class MultiNodeRun(Run):
         self.backend.start(plan.local_ranks, setup=plan.setup_message)
 
     def more_monitors(self) -> list[Monitor]:
-        return [_NodeMonitor(self.head)]
+        return [_NodeMonitor(self.head, self.starter)]
 
     def event_sources(self, relay: Relay) -> list[EventSource]:
         return [RemoteNodes(self.head, relay)]
