@@ -277,17 +277,23 @@ def test_a_background_run_on_three_nodes_frees_the_cell_and_stops_everywhere(clu
     assert wait_until(lambda: not any(_alive(pid) for pid in pids), 15), pids
 
 
+# A notebook with a module of its own in its folder (argv[2]), shipped to the other nodes by
+# the runtime_env nblaunch connects to Ray with.
 DETACHING = """
-import sys, nblaunch, ray
-ray.init(address=sys.argv[1])
+import sys, nblaunch
+sys.path.insert(0, sys.argv[2])
 
 def where():
     import os
+    import shipped_by_ray
     import torch.distributed as dist
-    return dist.get_rank(), dist.get_world_size(), os.getpid()
+    return dist.get_rank(), dist.get_world_size(), os.getpid(), shipped_by_ray.VALUE
 
+cluster = nblaunch.RayCluster(
+    address=sys.argv[1], runtime_env={"py_modules": [sys.argv[2] + "/shipped_by_ray"]}
+)
 handle = nblaunch.notebook_launcher(
-    where, num_processes=1, num_nodes=3, cluster="ray", detach=True, display="none"
+    where, num_processes=1, num_nodes=3, cluster=cluster, detach=True, display="none"
 )
 print(handle.id, flush=True)
 """
@@ -297,8 +303,11 @@ def test_a_detached_run_on_three_nodes_outlives_its_process_and_is_attached_agai
     cluster, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("NBLAUNCH_DETACHED_DIR", str(tmp_path / "detached"))
+    notebook = tmp_path / "notebook"
+    (notebook / "shipped_by_ray").mkdir(parents=True)
+    (notebook / "shipped_by_ray" / "__init__.py").write_text("VALUE = 42\n")
     started = subprocess.run(
-        [sys.executable, "-c", DETACHING, cluster.address],
+        [sys.executable, "-c", DETACHING, cluster.address, str(notebook)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -308,8 +317,12 @@ def test_a_detached_run_on_three_nodes_outlives_its_process_and_is_attached_agai
     run_id = started.stdout.split()[-1]  # the process that started it has ended
     handle = nblaunch.attach(run_id)
     values = handle.result(90)
-    assert [(rank, size) for rank, size, _ in values] == [(0, 3), (1, 3), (2, 3)]
-    assert len({pid for *_, pid in values}) == 3
+    assert [(rank, size, value) for rank, size, _, value in values] == [
+        (0, 3, 42),
+        (1, 3, 42),
+        (2, 3, 42),
+    ]
+    assert len({pid for _, _, pid, _ in values}) == 3
     assert handle.state == "done"
     log = (handle.run_dir / "nodes.log").read_text()
     assert "Ray placed the other node(s)" in log, log
@@ -349,3 +362,24 @@ def test_in_a_kernel_the_magics_run_a_cell_on_three_ray_nodes(cluster, tmp_path)
         assert done["error"] is None and done["result"] == "100", done
     finally:
         kernel.close()
+
+
+def shipped_mark():
+    return os.environ.get("NBLAUNCH_TEST_SHIPPED")
+
+
+def test_a_runtime_env_reaches_the_ranks_ray_places_or_says_why_not(cluster, tmp_path):
+    # This process connected to Ray before (the fixture's ray.init): what Ray can give an
+    # actor (variables, packages, URIs) goes to each agent, and from it to its node's ranks.
+    # This node's ranks are the notebook's own: they get none of it.
+    marked = nblaunch.RayCluster(runtime_env={"env_vars": {"NBLAUNCH_TEST_SHIPPED": "yes"}})
+    values = nblaunch.notebook_launcher(
+        shipped_mark, num_processes=1, num_nodes=3, cluster=marked, display="none"
+    )
+    assert values == [None, "yes", "yes"]
+    # Local folders Ray ships for a whole job only: said before anything starts.
+    folders = nblaunch.RayCluster(runtime_env={"py_modules": [str(tmp_path)]})
+    with pytest.raises(LaunchError, match=r"local folders .* pass the runtime_env to ray.init"):
+        nblaunch.notebook_launcher(
+            shipped_mark, num_processes=1, num_nodes=3, cluster=folders, display="none"
+        )

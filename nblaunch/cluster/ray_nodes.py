@@ -124,10 +124,43 @@ def placed_by(
             f"cluster={cluster!r} places the other nodes of a run on several machines: pass "
             "num_nodes=N (2 or more), this node included"
         )
-    ray = connect(ray_cluster)
-    address = ray.get_runtime_context().gcs_address
+    ray_module = sys.modules.get("ray")
+    connected = ray_module is not None and ray_module.is_initialized()
+    ray = connect(ray_cluster)  # with the cluster's runtime_env, unless connected before
+    context = ray.get_runtime_context()
+    runtime_env = {**context.runtime_env, **_per_actor(ray_cluster.runtime_env, connected)}
     endpoint = rendezvous_endpoint(ray, rdzv_endpoint)
-    return endpoint, "ray", dataclasses.replace(ray_cluster, address=address)
+    # The job's runtime_env has Ray's URIs for the folders it shipped: the agents, and a run
+    # host's own connection, get the same files.
+    resolved = dataclasses.replace(
+        ray_cluster, address=context.gcs_address, runtime_env=runtime_env or None
+    )
+    return endpoint, "ray", resolved
+
+
+def _per_actor(runtime_env: dict[str, Any] | None, connected: bool) -> dict[str, Any]:
+    """What of ``runtime_env`` the agents must get themselves: nothing when this process
+    connected to Ray with it (the job has it), all of it when Ray was connected before.
+
+    Raises
+    ------
+    LaunchError
+        Ray was connected before and ``runtime_env`` names local folders, which Ray ships only
+        for a whole job (``ray.init``).
+    """
+    if not connected or not runtime_env:
+        return {}
+    folders = runtime_env.get("py_modules") or []
+    folders = [runtime_env.get("working_dir"), *folders]
+    local = [str(f) for f in folders if f is not None and "://" not in str(f)]
+    if local:
+        raise LaunchError(
+            f"RayCluster(runtime_env=...) names local folders ({', '.join(local)}), which Ray "
+            "ships only for a whole job, and this process connected to Ray before: pass the "
+            "runtime_env to ray.init(runtime_env=...) instead (every node then gets it), or "
+            "leave ray.init to nblaunch"
+        )
+    return dict(runtime_env)
 
 
 def connect(cluster: RayCluster) -> Any:
