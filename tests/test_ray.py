@@ -145,6 +145,13 @@ def test_cluster_options_are_checked_before_anything_starts(cluster):
         )
     with pytest.raises(LaunchError, match="give 'ray' or nblaunch.RayCluster"):
         nblaunch.notebook_launcher(where_am_i, num_processes=1, num_nodes=2, cluster="k8s")
+    with pytest.raises(LaunchError, match=r"a Ray Client connection \(ray://...\) is not"):
+        nblaunch.notebook_launcher(
+            where_am_i,
+            num_processes=1,
+            num_nodes=2,
+            cluster=nblaunch.RayCluster(address="ray://head:10001"),
+        )
 
 
 def test_without_ray_the_error_names_the_install(monkeypatch):

@@ -179,6 +179,16 @@ def connect(cluster: RayCluster) -> Any:
             "cluster='ray' needs Ray in this environment: pip install 'nblaunch[ray]' (or "
             "pip install ray), matching the cluster's version"
         ) from None
+    from ray.util.client import ray as client
+
+    asked = cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if client.is_connected() or asked.startswith("ray://"):
+        # The rendezvous and the relay would be outside the cluster, behind Ray's proxy.
+        raise LaunchError(
+            "cluster='ray' needs the notebook on a node of the Ray cluster; a Ray Client "
+            "connection (ray://...) is not supported: run the notebook on the cluster's head "
+            "or one of its nodes (docs/ray.md says why)"
+        )
     if not ray.is_initialized():
         address = cluster.address or "auto"
         try:
