@@ -76,7 +76,9 @@ def test_three_nodes_return_every_rank_s_value_and_print_each_line_once(cluster,
         assert out.count(f"hello from rank {rank}") == 1, out
     # Ray's log forwarding prints worker output as "(JoinAgent pid=...) ..."; none may come.
     assert "JoinAgent" not in out + err and "pid=" not in out + err, out + err
-    assert "Ray placed the other node(s)" in out + err  # the view says where they run
+    # The view says what was asked of Ray while it places, then where the nodes run.
+    assert "asking Ray to place 3 nodes" in out + err
+    assert "Ray placed the other node(s)" in out + err
 
 
 def fails_on_rank_2():

@@ -101,15 +101,22 @@ class Head:
             from nblaunch.cluster import ray_nodes  # not at import: Ray only when asked for
 
             cluster = ray_nodes.as_ray_cluster(nodes.cluster or "ray")
+            bundle = ray_nodes.bundle_for(
+                self.plan.device_type, self.plan.nproc_per_node, cluster.resources_per_node
+            )
+            # Never a silent wait: the placement is shown while Ray works on it.
+            self.info(
+                f"asking Ray to place {self.plan.num_nodes} nodes",
+                f"{', '.join(f'{v:g} {k}' for k, v in bundle.items())} on each, one node "
+                f"apiece (STRICT_SPREAD); up to {cluster.placement_timeout:g} s",
+            )
             return ray_nodes.start_ray_joins(
                 cluster,
                 count=self.plan.num_nodes - 1,
                 endpoint=self.endpoint,
                 run_id=self.plan.run_id,
                 secret=self.secret.text,
-                bundle=ray_nodes.bundle_for(
-                    self.plan.device_type, self.plan.nproc_per_node, cluster.resources_per_node
-                ),
+                bundle=bundle,
             )
         return start_joins(
             nodes.start_nodes,
