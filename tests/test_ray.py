@@ -53,7 +53,15 @@ def cluster():
 def where_am_i():
     import torch
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
+    # A DDP step: each rank's own batch, the gradients averaged across the nodes in backward().
+    torch.manual_seed(dist.get_rank())
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    model(torch.randn(8, 4)).sum().backward()
+    grads = [torch.zeros(1, 4) for _ in range(dist.get_world_size())]
+    dist.all_gather(grads, model.module.weight.grad)
+    assert all(torch.equal(grad, grads[0]) for grad in grads), grads
     total = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(total)
     print(f"hello from rank {dist.get_rank()}", flush=True)
