@@ -67,6 +67,9 @@ def test_each_node_s_ranks_use_the_interface_that_reaches_the_notebook(tmp_path,
     # Set by test_ray.py in this process to keep its cluster on 127.0.0.1; these nodes have
     # addresses of their own (with it, a worker node refuses to join).
     monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    # Ray 2.60 turns token authentication on for `ray start --head` when ~/.ray/auth_token
+    # exists (a local ray.init() writes one), but not for a node joining it: say it for both.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     # Ray's sockets live under its temp dir: a short path (a Unix socket's holds 107 bytes).
     ray_dir = tempfile.mkdtemp(prefix="nbray")
     net = Network(2)

@@ -3,10 +3,11 @@
 ``notebook_launcher(fn, num_processes=P, num_nodes=N, cluster="ray")`` runs node 0 here, as any
 multi-node run does, and asks Ray where the other ``N - 1`` go: a placement group of one bundle
 per node (``STRICT_SPREAD``, with the CPUs or GPUs each node's ranks need), and on each bundle
-that is not this node's an agent actor (:class:`JoinAgent`) that runs what ``nblaunch join`` runs
-(it forks that node's ranks, relays their output and events through the rendezvous store,
-supervises and contains them). Placement is Ray's; everything else (the store, the view, the
-root cause, hang proofs, the checks) is nblaunch's, as on any network.
+that is not this node's an agent actor (:class:`~nblaunch.cluster.ray_agent.JoinAgent`) that
+runs what ``nblaunch join`` runs (it forks that node's ranks, relays their output and events
+through the rendezvous store, supervises and contains them). Placement is Ray's; everything
+else (the store, the view, the root cause, hang proofs, the checks) is nblaunch's, as on any
+network.
 
 - The rendezvous address is what Ray reports for this node (``ray.util.get_node_ip_address``).
 - A placement Ray cannot meet fails within ``placement_timeout`` seconds and says what is
@@ -21,27 +22,21 @@ root cause, hang proofs, the checks) is nblaunch's, as on any network.
   when its join ends), or when the node has been silent for the heartbeat's limit, whichever
   comes first.
 
-Ray is imported only here, and only when a run asks for it (``pip install 'nblaunch[ray]'``).
+Ray is imported only here and in the agent's module, and only when a run asks for it
+(``pip install 'nblaunch[ray]'``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
-import platform
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from nblaunch.cluster.trust import SECRET_ENV
+from nblaunch.cluster.ray_agent import JoinAgent, versions
 from nblaunch.engine.plan.launch_plan import choose_port
 from nblaunch.errors import LaunchError
 
@@ -49,8 +44,6 @@ from nblaunch.errors import LaunchError
 END_WAIT_S = 15.0
 # How often a run looks whether Ray reported an agent dead (a look costs ~0.1 ms).
 LOOK_S = 0.25
-# PR_SET_PDEATHSIG, from <linux/prctl.h>.
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -215,103 +208,6 @@ def bundle_for(device_type: str, nproc_per_node: int, extra: dict[str, float]) -
     if device_type == "cuda":
         return {"CPU": float(nproc_per_node), "GPU": float(nproc_per_node), **extra}
     return {"CPU": float(nproc_per_node), **extra}
-
-
-def versions() -> dict[str, str]:
-    """What must match between the notebook and every node (read from the installed packages'
-    metadata: an agent that imported torch to say its version would take seconds more)."""
-    from importlib import metadata
-
-    return {
-        "Python": platform.python_version(),
-        "Ray": metadata.version("ray"),
-        "torch": metadata.version("torch"),
-        "nblaunch": metadata.version("nblaunch"),
-    }
-
-
-class JoinAgent:
-    """An actor on one node: its ``nblaunch join``, started as a child that dies with the agent.
-
-    Its output goes to a file of the node's (``tail`` reads it): nothing reaches Ray's log
-    forwarding, so the notebook shows the ranks' lines once, through nblaunch's relay.
-    """
-
-    def __init__(self, log_name: str) -> None:
-        folder = Path(tempfile.gettempdir()) / f"nblaunch-ray-{os.getuid()}"
-        folder.mkdir(mode=0o700, exist_ok=True)
-        self.log = folder / log_name
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, command: list[str], secret: str) -> int:
-        """Start the join (once every node is placed and checked: it looks for the run at
-        once); its pid."""
-        env = {**os.environ, SECRET_ENV: secret}
-        fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            # Its own session (the agent's signals are Ray's), and SIGTERM when the agent dies.
-            self.process = subprocess.Popen(
-                [sys.executable, *command],
-                stdin=subprocess.DEVNULL,
-                stdout=fd,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        finally:
-            os.close(fd)
-        return self.process.pid
-
-    def ended(self) -> int:
-        """Wait for the join to end; its exit code. The notebook keeps this call pending: an
-        agent lost with its node never answers, and Ray says so at once."""
-        assert self.process is not None
-        return self.process.wait()
-
-    def where(self) -> dict[str, Any]:
-        """This node: Ray's id and address, the host name, and its versions."""
-        import ray
-
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "address": ray.util.get_node_ip_address(),
-            "host": socket.gethostname(),
-            "log": str(self.log),
-            "versions": versions(),
-        }
-
-    def poll(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def tail(self) -> str:
-        """The join's last line of output."""
-        with contextlib.suppress(OSError):
-            lines = [line for line in self.log.read_text(errors="replace").splitlines() if line]
-            if lines:
-                return lines[-1].strip()
-        return "no output"
-
-    def stop(self, wait_s: float) -> int | None:
-        """Wait up to ``wait_s`` for the join to end with its run, then stop it (SIGTERM: it
-        stops its ranks and tells the notebook)."""
-        if self.process is None:
-            return None
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return self.process.wait(wait_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return self.process.wait(5.0)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        return self.process.wait()
-
-
-def _die_with_parent() -> None:
-    """In the join's process before it runs: SIGTERM when the agent that started it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 @dataclass
