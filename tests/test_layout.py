@@ -291,6 +291,7 @@ PUBLIC = [
     "RendezvousTimeoutError",
     "RunHandle",
     "RunStoppedError",
+    "SlurmCluster",
     "all_reduce",
     "attach",
     "attach_pool",

@@ -93,9 +93,25 @@ class Head:
 
     def start_joins(self, nodes: NodeOptions) -> Any:
         """Start ``join`` on the other nodes from here: over ssh or srun
-        (:mod:`nblaunch.cluster.node_start`), or placed by Ray (:mod:`nblaunch.cluster.ray_nodes`).
+        (:mod:`nblaunch.cluster.node_start`), placed by Ray (:mod:`nblaunch.cluster.ray_nodes`),
+        or as a Slurm job (:mod:`nblaunch.cluster.slurm_nodes`).
         """
         assert nodes.start_nodes is not None
+        if nodes.start_nodes == "slurm":
+            from nblaunch.cluster import slurm_nodes  # not at import: rarely used
+
+            job = nodes.cluster if isinstance(nodes.cluster, slurm_nodes.SlurmCluster) else None
+            return slurm_nodes.start_slurm_job(
+                job or slurm_nodes.SlurmCluster(),
+                count=self.plan.num_nodes - 1,
+                endpoint=self.endpoint,
+                run_id=self.plan.run_id,
+                secret=self.secret.text,
+                log_dir=self.plan.run_dir,
+                device_type=self.plan.device_type,
+                nproc_per_node=self.plan.nproc_per_node,
+                news=self.info,
+            )
         if nodes.start_nodes == "ray":
             from nblaunch.cluster import ray_nodes  # not at import: Ray only when asked for
 

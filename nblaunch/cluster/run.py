@@ -63,7 +63,7 @@ from nblaunch.engine.output.relay import EventSource, Relay
 from nblaunch.engine.plan.launch_plan import serialize_payload
 from nblaunch.engine.run.run import Run
 from nblaunch.engine.verdict import Cause, RootCause
-from nblaunch.errors import RankFailedError
+from nblaunch.errors import RankFailedError, add_note
 from nblaunch.events import EventSink, RunState
 from nblaunch.options import LaunchOptions, NodeOptions
 
@@ -136,6 +136,9 @@ def launch_multinode(
                 head.rendezvous(payload, nodes.rdzv_timeout, starter)
                 run = MultiNodeRun(plan, view, head)
                 return run.execute(payload)
+            except Exception as exc:
+                _note_placement(exc, starter)
+                raise
             finally:
                 head.close()
                 if starter is not None:
@@ -143,6 +146,15 @@ def launch_multinode(
         finally:
             if run is None:  # the run closes the view; before it exists, close it here
                 view.close()
+
+
+def _note_placement(exc: BaseException, starter: Any) -> None:
+    """A failed run whose nodes' Slurm job no longer runs (preempted, cancelled, out of time,
+    a node failed) says so, with Slurm's reason and the job's log."""
+    note = getattr(starter, "note", None)  # a Slurm job's (slurm_nodes.SlurmJob)
+    text = note() if callable(note) else None
+    if text:
+        add_note(exc, text)
 
 
 class RemoteNodes:
