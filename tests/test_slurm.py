@@ -258,6 +258,16 @@ class TestInsideAnAllocation:
         assert wait_until(lambda: steps(slurm, job_id) == before, 20), steps(slurm, job_id)
         assert time.monotonic() - pressed["at"] < 30
 
+    def test_the_doctor_says_what_it_sees_of_the_allocation(self, slurm, allocation):
+        kernel, job_id = allocation
+        cell = kernel.run("from nblaunch.engine.plan import doctor\nprint(doctor.report())")
+        assert cell["error"] is None, cell["message"]
+        nodes = f"{slurm.nodes[0][:-2]}h[0-2]"
+        assert f"Slurm       job {job_id} (partition all): 3 node(s), {nodes}" in cell["out"]
+        assert "per node: 1(x3) CPU(s), no GPU(s) allocated" in cell["out"]
+        assert f"this process: step {job_id}.0, 1 task(s) on {slurm.nodes[0]}" in cell["out"]
+        assert "time left: " in cell["out"] and "num_nodes up to 3" in cell["out"]
+
 
 # --- from outside an allocation: a job ------------------------------------------------------------
 
@@ -384,3 +394,9 @@ class TestAJobOfTheirOwn:
         assert closed["error"] is None, closed["message"]
         assert wait_until(lambda: our_jobs(slurm) == [], 20)
         assert job_field(slurm, job_id, "JobState") == "COMPLETED"
+
+    def test_the_doctor_lists_the_partitions_a_job_can_go_to(self, slurm, login):
+        cell = login.run("from nblaunch.engine.plan import doctor\nprint(doctor.report())")
+        assert cell["error"] is None, cell["message"]
+        assert "Slurm       not in an allocation;" in cell["out"]
+        assert re.search(r"compute\* up 2 2 ", cell["out"]), cell["out"]

@@ -186,10 +186,15 @@ def placed_by(
     return rdzv_endpoint or default_endpoint(), how, num_nodes
 
 
-def allocation_nodes(environ: dict[str, str] | None = None) -> int | None:
-    """How many nodes this allocation holds (None: Slurm did not say)."""
-    value = (os.environ if environ is None else environ).get("SLURM_JOB_NUM_NODES", "")
-    return int(value) if value.isdigit() else None
+def allocation_nodes() -> int | None:
+    """How many nodes this allocation holds, as slurmctld says (None: it did not say). Not
+    from the environment: inside a step (a notebook under srun) that has the step's nodes."""
+    with contextlib.suppress(LaunchError):
+        line = slurm("scontrol", "-o", "show", "job", os.environ["SLURM_JOB_ID"])
+        found = re.search(r"\bNumNodes=(\d+)", line)
+        if found:
+            return int(found.group(1))
+    return None
 
 
 def default_endpoint() -> str:
