@@ -45,6 +45,8 @@ from nblaunch.errors import LaunchError
 POLL_S = 1.0
 # How long the joins get to end with their run (the job then completes) before it is cancelled.
 END_WAIT_S = 15.0
+# How long a failed run waits for its job, on its way out, to say how it ended.
+NOTE_WAIT_S = 10.0
 # How long one Slurm command may take (a busy slurmctld answers within MessageTimeout, 10 s).
 COMMAND_TIMEOUT_S = 30.0
 # Job states after which the job holds no node any more (squeue's long names).
@@ -389,7 +391,7 @@ class SlurmJob:
         except LaunchError:
             return self.last  # slurmctld busy: the next poll asks again
         if self.last is None or state.describe(self.job_id) != self.last.describe(self.job_id):
-            self.news(state.describe(self.job_id), f"its log: {self.log}")
+            self.news(state.describe(self.job_id), f"its log: {self.log}" if state.ended else "")
         self.last = state
         return state
 
@@ -412,8 +414,14 @@ class SlurmJob:
     def note(self) -> str | None:
         """For a run that failed: the job, when it no longer runs (cancelled, preempted, a node
         failed, its time limit), with Slurm's reason and its log; None while it runs."""
+        deadline = time.monotonic() + NOTE_WAIT_S
         with contextlib.suppress(LaunchError):
             state = job_state(self.job_id)
+            # A job on its way out (preempted, cancelled: its joins told the notebook at the
+            # first SIGTERM) says its final state once its steps have ended.
+            while state.state == "COMPLETING" and time.monotonic() < deadline:
+                time.sleep(0.2)
+                state = job_state(self.job_id)
             if state.state not in ("RUNNING", "COMPLETING"):
                 return f"Slurm {self.ended_text(state)}"
         return None
@@ -481,8 +489,11 @@ def start_slurm_job(
 
 
 def _last_line(log: Path) -> str:
+    """The job log's line that says why it ended (Slurm's ``*** JOB ... CANCELLED ... DUE TO
+    PREEMPTION ***``), else its last line."""
     with contextlib.suppress(OSError):
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        if lines:
-            return lines[-1].strip()[:300]
+        told = [line for line in lines if "***" in line]
+        if told or lines:
+            return (told or lines)[-1].strip()[:300]
     return "no output yet"
