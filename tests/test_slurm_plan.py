@@ -7,6 +7,7 @@ The runs themselves, against a real Slurm, are in ``test_slurm.py``.
 from __future__ import annotations
 
 import shlex
+import time
 
 import pytest
 
@@ -137,3 +138,90 @@ def test_the_doctor_describes_the_allocation_from_slurm_s_environment():
         "    num_nodes up to 3 with cluster='slurm' (this node is node 0)",
     ]
     assert asked[1] == ["squeue", "-h", "-j", "7", "-o", "%L"]
+
+
+@pytest.fixture
+def scripted_slurm(tmp_path, monkeypatch):
+    """Stand-ins for sbatch, scontrol and scancel: the job's state is a file the test writes;
+    what sbatch got and scancel's calls are kept."""
+    state = tmp_path / "state"
+    scripts = {
+        "sbatch": f'cat > {tmp_path}/script; echo "$@" > {tmp_path}/sbatch-args; echo 41',
+        "scontrol": f"cat {state}",
+        "scancel": f"echo \"$@\" >> {tmp_path}/cancelled; echo 'JobState=CANCELLED' > {state}",
+    }
+    for name, body in scripts.items():
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(slurm_nodes, "POLL_S", 0.0)
+
+    def job_is(text: str) -> None:
+        state.write_text(f"JobId=41 {text} ExitCode=0:0 StdOut=/x\n")
+
+    return tmp_path, job_is
+
+
+def _job(folder, said: list) -> slurm_nodes.SlurmJob:
+    return slurm_nodes.start_slurm_job(
+        SlurmCluster(partition="gpu"),
+        count=2,
+        endpoint="10.0.0.1:29500",
+        run_id="run-1",
+        secret="s" * 32,
+        log_dir=folder,
+        device_type="cpu",
+        nproc_per_node=1,
+        news=lambda title, body: said.append(title),
+    )
+
+
+def test_a_job_s_state_is_shown_as_it_changes_and_its_end_before_the_nodes_fails_the_start(
+    scripted_slurm,
+):
+    folder, job_is = scripted_slurm
+    said: list[str] = []
+    job = _job(folder, said)
+    assert "--partition=gpu" in (folder / "sbatch-args").read_text()
+    assert said == ["submitted Slurm job 41 for the other node(s)"]
+    job_is("JobState=PENDING Reason=Resources")
+    assert job.problem(2) is None and job.problem(2) is None
+    job_is("JobState=RUNNING Reason=None NodeList=n[1-2]")
+    assert job.problem(2) is None
+    assert said[1:] == ["job 41 PENDING (Resources)", "job 41 RUNNING on n[1-2]"]
+    (folder / "slurm-41.out").write_text("srun: error: n1: task 0: Exited with exit code 2\n")
+    job_is("JobState=FAILED Reason=NonZeroExitCode")
+    assert job.problem(2) == (
+        f"Slurm job 41 FAILED (NonZeroExitCode); its log: {folder / 'slurm-41.out'} "
+        "(srun: error: n1: task 0: Exited with exit code 2)"
+    )
+
+
+def test_a_pending_job_is_cancelled_at_once_and_a_pool_s_ended_job_submitted_again(
+    scripted_slurm,
+):
+    folder, job_is = scripted_slurm
+    said: list[str] = []
+    job = _job(folder, said)
+    job_is("JobState=PENDING Reason=Priority")
+    began = time.monotonic()
+    job.close(wait_s=30)  # pending: nothing to wait for
+    assert time.monotonic() - began < 5
+    assert (folder / "cancelled").read_text() == "41\n"
+    assert said[-1] == "cancelled Slurm job 41"
+    # A pool's job that ended between starts is submitted again; a running one is kept.
+    job_is("JobState=RUNNING Reason=None")
+    job.renew(2)
+    assert said.count(said[0]) == 1
+    job_is("JobState=TIMEOUT Reason=TimeLimit")
+    job.renew(2)
+    assert said.count("submitted Slurm job 41 for the other node(s)") == 2 and job.fresh
+
+
+def test_a_failed_run_names_a_job_that_no_longer_runs(scripted_slurm):
+    folder, job_is = scripted_slurm
+    job = _job(folder, [])
+    job_is("JobState=RUNNING Reason=None")
+    assert job.note() is None  # the job is fine: the failure is the run's own
+    job_is("JobState=PREEMPTED Reason=None")
+    assert job.note().startswith("Slurm job 41 PREEMPTED; its log: ")

@@ -336,7 +336,6 @@ class SlurmJob:
     ``news(title, body)`` shows a line in the run's view (the job's state as it changes).
     """
 
-    cluster: SlurmCluster
     options: list[str]
     script: str
     env: dict[str, str]
@@ -483,7 +482,7 @@ def start_slurm_job(
         "--export=ALL",
         *cluster.sbatch_options(count, device_type, nproc_per_node),
     ]
-    job = SlurmJob(cluster, options, batch_script(count, endpoint, run_id), env, folder, news)
+    job = SlurmJob(options, batch_script(count, endpoint, run_id), env, folder, news)
     job.submit()
     return job
 
