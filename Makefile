@@ -67,12 +67,12 @@ test-fast: install
 test-browser: install
 	$(PY) -m pytest -q -m browser
 
-# The Slurm tests alone (tests/test_slurm.py, ~75 s): a real slurmctld and a slurmd per network
-# namespace, started and stopped by the tests. Needs root and Debian's slurm-wlm and munge
+# The Slurm tests alone (tests/test_slurm.py, ~80 s, and the pure test_slurm_plan.py): a real
+# slurmctld and a slurmd per network namespace, started and stopped by the tests. Needs root and Debian's slurm-wlm and munge
 # (.ci/run installs them); without them the tests are skipped and -rs prints why. `make test`
 # runs them too, where Slurm is installed.
 test-slurm: install
-	$(PY) -m pytest -q -rs -m slurm tests/test_slurm.py
+	$(PY) -m pytest -q -rs tests/test_slurm.py tests/test_slurm_plan.py
 
 # The real torch_xla on its CPU runtime (PJRT_DEVICE=CPU), in a venv of its own: torch_xla 2.9
 # needs torch 2.9, and pip takes a CUDA build of it here (7.1 GB, 2.5 min to install; see

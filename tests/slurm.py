@@ -40,7 +40,6 @@ CONTROLLER_PORT = 6817
 NODE_PORT = 6818
 START_TIMEOUT_S = 30.0
 TOOLS = (
-    "nsenter",
     "slurmctld",
     "slurmd",
     "munged",
@@ -58,10 +57,10 @@ def skip_reason() -> str | None:
     if missing:
         return (
             f"Slurm is not installed here ({', '.join(missing)} missing): "
-            "apt-get install slurm-wlm munge (as `make test-slurm` on CI does)"
+            "apt-get install slurm-wlm munge (.ci/run does so on CI)"
         )
-    if shutil.which("unshare") is None:
-        return "unshare (util-linux) is missing: each node needs a hostname of its own"
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        return "unshare or nsenter (util-linux) is missing: each node needs a namespace of its own"
     return netns_skip_reason()
 
 
