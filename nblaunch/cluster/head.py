@@ -191,6 +191,10 @@ class Head:
         key = self.keys.task(number)
         record = {"task_id": task_id, "ranks": ranks, "payload": payload}
         self.store.set(key, self.secret.seal(record, key))
+        # A node none of whose ranks a task had may not have read it before its key went (a
+        # pull from rank 0 ends in milliseconds): it goes on from here.
+        newest = self.keys.newest_task
+        self.store.set(newest, self.secret.sign(str(number), newest))
         self.tasks_published += 1
 
     def interrupt(self, ranks: list[int]) -> None:
