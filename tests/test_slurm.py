@@ -391,6 +391,11 @@ class TestAJobOfTheirOwn:
             (1, slurm.nodes[1], job_id),
             (2, slurm.nodes[2], job_id),
         ]
+        pulled = login.run("print(pool.pull('seen', rank=0), pool.pull('seen', rank=2))")
+        assert (
+            pulled["out"].split("\n")[0]
+            == f"(0, {slurm.nodes[0]!r}, None) (2, {slurm.nodes[2]!r}, {job_id!r})"
+        )
         assert our_jobs(slurm) == [(job_id, "RUNNING", "None")]  # the same job, across cells
         closed = login.run("pool.close()", timeout=60)
         assert closed["error"] is None, closed["message"]
