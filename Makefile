@@ -18,7 +18,7 @@ SAY_TORCH = $(PY) -c "import torch; c = torch.version.cuda; print('torch', torch
 export PYTEST_WORKERS ?= 2
 PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: demo test test-fast test-matrix test-ci-cuda test-browser test-xla screenshots lint bench docs install clean lab-build
+.PHONY: demo test test-fast test-matrix test-ci-cuda test-browser test-slurm test-xla screenshots lint bench docs install clean lab-build
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,13 @@ test-fast: install
 
 test-browser: install
 	$(PY) -m pytest -q -m browser
+
+# The Slurm tests alone (tests/test_slurm.py, ~80 s, and the pure test_slurm_plan.py): a real
+# slurmctld and a slurmd per network namespace, started and stopped by the tests. Needs root and Debian's slurm-wlm and munge
+# (.ci/run installs them); without them the tests are skipped and -rs prints why. `make test`
+# runs them too, where Slurm is installed.
+test-slurm: install
+	$(PY) -m pytest -q -rs tests/test_slurm.py tests/test_slurm_plan.py
 
 # The real torch_xla on its CPU runtime (PJRT_DEVICE=CPU), in a venv of its own: torch_xla 2.9
 # needs torch 2.9, and pip takes a CUDA build of it here (7.1 GB, 2.5 min to install; see

@@ -14,17 +14,27 @@ it was made (one clock: both namespaces run on this machine):
 Then the relay: the joined node's rank prints ``--lines`` lines, across the veth and, for
 comparison, on loopback (both sides in this namespace, on 127.0.0.2).
 
+Then Slurm (``tests/slurm.py``: slurmctld and a slurmd in each of 3 namespaces; skipped, saying
+why, without Slurm): the time from the cell's call to every rank running (each rank's function
+began; one clock), 3 nodes of 1 CPU rank, the notebook's process on node 0 and new each time
+(its first cell: the forkserver and every join import torch) then its second cell:
+
+- inside an allocation (``salloc -N 3``, the notebook a step on its first node): ``cluster="slurm"``
+  starts the other nodes' joins as an srun step;
+- from outside one (a login node's notebook): ``SlurmCluster(partition="compute")`` submits
+  them as a batch job, on an idle cluster.
+
 Prints one markdown table per part.
 
-    sudo python benchmarks/bench_network.py [--repeat 3] [--lines 50000]
+    sudo python benchmarks/bench_network.py [--repeat 3] [--lines 50000] [--slurm-only]
 
-``--ray`` measures runs whose other nodes a Ray cluster places instead (no root needed): a
+``--ray-only`` measures runs whose other nodes a Ray cluster places instead (no root needed): a
 ``ray.cluster_utils.Cluster`` of 3 nodes on this machine (a head and two workers, each its own
 raylet with 1 CPU), 1 rank per node, ``cluster="ray"``: the launch from the call to every
 value (the first of the process, then the next ones), to a rank's own error from another node,
 and to a lost node (its raylet removed while the ranks run) named, counted from the removal.
 
-    python benchmarks/bench_network.py --ray [--repeat 5]
+    python benchmarks/bench_network.py --ray-only [--repeat 5]
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from netns import Network, Side, alive, skip_reason  # noqa: E402
+from slurm import Slurm  # noqa: E402
+from slurm import skip_reason as slurm_skip_reason  # noqa: E402
 
 PORT = 29400
 NOTEBOOK = str(REPO / "tests" / "netns_notebook.py")
@@ -293,19 +305,108 @@ def ray_part(repeat: int) -> None:
     print(f"| a lost node (raylet removed) named, from the removal | {seconds(lost)} |")
 
 
+# The notebook's side of a Slurm trial: two cells, each rank says when its function began.
+SLURM_CELLS = """
+import json, sys, time
+import nblaunch
+
+def began():
+    import socket, time
+    return time.time(), socket.gethostname()
+
+cluster = eval(sys.argv[1])
+for cell in range(2):
+    start = time.time()
+    ranks = nblaunch.notebook_launcher(began, num_processes=1, num_nodes=3, cluster=cluster,
+                                       display="none")
+    print(json.dumps({"cell": cell, "start": start, "ranks": ranks}), flush=True)
+"""
+
+
+def slurm_trial(cluster: Slurm, folder: Path, where: str) -> list[float]:
+    """The seconds from each of the two cells' call to its last rank running."""
+    import json
+    import re
+    import subprocess
+
+    argv = [sys.executable, "-c", SLURM_CELLS]
+    job = None
+    if where == "allocation":
+        said = subprocess.run(
+            cluster.command(0, "salloc", "--no-shell", "-p", "all", "-N", "3"),
+            capture_output=True, text=True, env=cluster.env, timeout=60, cwd=folder,
+        )  # fmt: skip
+        job = re.search(r"allocation (\d+)", said.stderr).group(1)
+        step = ["srun", f"--jobid={job}", "-N1", "-n1", f"--nodelist={cluster.nodes[0]}"]
+        command = cluster.command(0, *step, *argv, "'slurm'")
+    else:
+        command = cluster.command(0, *argv, "nblaunch.SlurmCluster(partition='compute')")
+    try:
+        out = subprocess.run(
+            command, capture_output=True, text=True, env=cluster.env, timeout=300, cwd=folder
+        )
+    finally:
+        if job:
+            cluster.run(0, "scancel", job)
+    cells = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if len(cells) != 2:
+        raise RuntimeError(f"the cells did not finish:\n{out.stderr[-3000:]}")
+    hosts = [host for _, host in cells[0]["ranks"]]
+    assert hosts == cluster.nodes, hosts  # node 0 here, the others where Slurm put them
+    return [max(t for t, _ in cell["ranks"]) - cell["start"] for cell in cells]
+
+
+def bench_slurm(repeat: int) -> None:
+    reason = slurm_skip_reason()
+    if reason:
+        print(f"Slurm: not run ({reason})")
+        return
+    rows = {("allocation", 0): [], ("allocation", 1): [], ("job", 0): [], ("job", 1): []}
+    with tempfile.TemporaryDirectory() as tmp:
+        network = Network(3)
+        try:
+            cluster = Slurm(network, Path(tmp))
+            try:
+                for _ in range(repeat):
+                    for where in ("allocation", "job"):
+                        first, second = slurm_trial(cluster, Path(tmp), where)
+                        rows[where, 0].append(first)
+                        rows[where, 1].append(second)
+                        wait = time.monotonic() + 30  # idle again before the next trial
+                        while not cluster.idle() and time.monotonic() < wait:
+                            time.sleep(0.2)
+            finally:
+                cluster.close()
+        finally:
+            network.close()
+    print("| Slurm, 3 nodes x 1 CPU rank: from the cell to every rank running | seconds |")
+    print("|---|---|")
+    names = {
+        "allocation": "inside an allocation: `cluster='slurm'` (an srun step)",
+        "job": "from a login node: `SlurmCluster(partition=...)` (a batch job, idle cluster)",
+    }
+    for where, name in names.items():
+        print(f"| {name}, first cell | {seconds(rows[where, 0])} |")
+        print(f"| {name}, next cell | {seconds(rows[where, 1])} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--lines", type=int, default=50_000)
-    parser.add_argument("--ray", action="store_true", help="the Ray rows only")
+    parser.add_argument("--ray-only", action="store_true", help="only the Ray part")
+    parser.add_argument("--slurm-only", action="store_true", help="only the Slurm part")
     args = parser.parse_args()
-    if args.ray:
+    if args.ray_only:
         ray_part(args.repeat)
         return
     reason = skip_reason()
     if reason:
         sys.exit(f"bench_network: {reason}")
     os.environ["PYTHONPATH"] = str(REPO)
+    if args.slurm_only:
+        bench_slurm(args.repeat)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, function, nodes, measure, want_nb, want_join in FAULTS:
@@ -351,6 +452,8 @@ def main() -> None:
         print("|---|---|")
         print(f"| across the veth | {statistics.median(veth):,.0f} |")
         print(f"| on loopback (127.0.0.2) | {statistics.median(loop):,.0f} |")
+    print()
+    bench_slurm(args.repeat)
 
 
 if __name__ == "__main__":

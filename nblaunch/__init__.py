@@ -48,6 +48,7 @@ from nblaunch.ranks.trigger import check_trigger, set_trigger
 
 if TYPE_CHECKING:
     from nblaunch.cluster.ray_nodes import RayCluster
+    from nblaunch.cluster.slurm_nodes import SlurmCluster
     from nblaunch.engine.output.metrics_files import load_metrics
     from nblaunch.notebook.handle import RunHandle, attach, runs
     from nblaunch.notebook.launcher import debug_launcher, notebook_launcher
@@ -68,6 +69,7 @@ _FRONT_ENDS = {
     "attach": "nblaunch.notebook.handle",
     "attach_pool": "nblaunch.notebook.pool_start",
     "RayCluster": "nblaunch.cluster.ray_nodes",
+    "SlurmCluster": "nblaunch.cluster.slurm_nodes",
 }
 
 
@@ -101,6 +103,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RunHandle",
     "RunStoppedError",
+    "SlurmCluster",
     "all_reduce",
     "attach",
     "attach_pool",

@@ -26,7 +26,7 @@ START_METHODS = ("forkserver", "spawn", "fork")
 DEVICE_TYPES = ("cuda", "cpu", "xla", "xpu", "npu", "hpu", "mps")
 DEVICE_TYPE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 # How the notebook may start the other nodes' join commands itself (nblaunch.cluster.node_start).
-START_NODES = ("ssh", "srun", "ray")
+START_NODES = ("ssh", "srun", "ray", "slurm")
 # Where a run is shown: a widget in a notebook, text in a terminal, or nowhere.
 DISPLAY_MODES = ("auto", "widget", "text", "none")
 # Levels of the loggers nblaunch.get_logger gives ranks.
@@ -272,7 +272,7 @@ class NodeOptions:
     rdzv_id: str | None = None
     start_nodes: str | None = None
     hostfile: str | os.PathLike[str] | None = None
-    # start_nodes="ray": the cluster's options (nblaunch.cluster.ray_nodes.RayCluster)
+    # start_nodes="ray" or "slurm": the cluster's options (RayCluster, SlurmCluster)
     cluster: Any = None
 
     def __post_init__(self) -> None:

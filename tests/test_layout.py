@@ -292,6 +292,7 @@ PUBLIC = [
     "RendezvousTimeoutError",
     "RunHandle",
     "RunStoppedError",
+    "SlurmCluster",
     "all_reduce",
     "attach",
     "attach_pool",

@@ -92,6 +92,14 @@ def test_a_pool_on_two_nodes_keeps_state_and_survives_failures_interrupts_restar
         pool.run(_fail_on_rank_1)
     assert pool.state is Lifecycle.IDLE
     assert pool.run(_recall) == first  # same processes, same names
+    # Tasks of the notebook's node alone end before the other node reads them and their keys
+    # go; the next task with its rank must still reach it (it waited for the first key, and
+    # the pull hung; pytest-timeout bounds it).
+    for _ in range(3):
+        assert pool.pull("x", rank=0) == 1
+    began = time.monotonic()
+    assert pool.pull("x", rank=1) == 2
+    assert time.monotonic() - began < 5
 
     began = time.monotonic()
     _interrupt_in(1.0)

@@ -58,6 +58,7 @@ class Keys:
         self.up = base + "up"  # queue: batches of events from the other nodes
         self.control = base + "control"  # what the notebook tells the other nodes to do
         self.reason = base + "reason"  # why the notebook stopped the run, set before "stop"
+        self.newest_task = base + "newest_task"  # the newest task's number (signed)
         self._base = base
 
     def task(self, number: int) -> str:

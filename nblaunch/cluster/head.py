@@ -94,9 +94,25 @@ class Head:
 
     def start_joins(self, nodes: NodeOptions) -> Any:
         """Start ``join`` on the other nodes from here: over ssh or srun
-        (:mod:`nblaunch.cluster.node_start`), or placed by Ray (:mod:`nblaunch.cluster.ray_nodes`).
+        (:mod:`nblaunch.cluster.node_start`), placed by Ray (:mod:`nblaunch.cluster.ray_nodes`),
+        or as a Slurm job (:mod:`nblaunch.cluster.slurm_nodes`).
         """
         assert nodes.start_nodes is not None
+        if nodes.start_nodes == "slurm":
+            from nblaunch.cluster import slurm_nodes  # not at import: rarely used
+
+            job = nodes.cluster if isinstance(nodes.cluster, slurm_nodes.SlurmCluster) else None
+            return slurm_nodes.start_slurm_job(
+                job or slurm_nodes.SlurmCluster(),
+                count=self.plan.num_nodes - 1,
+                endpoint=self.endpoint,
+                run_id=self.plan.run_id,
+                secret=self.secret.text,
+                log_dir=self.plan.run_dir,
+                device_type=self.plan.device_type,
+                nproc_per_node=self.plan.nproc_per_node,
+                news=self.info,
+            )
         if nodes.start_nodes == "ray":
             from nblaunch.cluster import ray_nodes  # not at import: Ray only when asked for
 
@@ -187,6 +203,10 @@ class Head:
         key = self.keys.task(number)
         record = {"task_id": task_id, "ranks": ranks, "payload": payload}
         self.store.set(key, self.secret.seal(record, key))
+        # A node none of whose ranks a task had may not have read it before its key went (a
+        # pull from rank 0 ends in milliseconds): it goes on from here.
+        newest = self.keys.newest_task
+        self.store.set(newest, self.secret.sign(str(number), newest))
         self.tasks_published += 1
 
     def interrupt(self, ranks: list[int]) -> None:

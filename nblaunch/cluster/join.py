@@ -363,6 +363,10 @@ def _terminate_as_interrupt() -> None:
     """Take SIGTERM (``scancel``, ``kill``) like Ctrl-C: stop the ranks, tell the notebook."""
 
     def interrupt(signum: int, frame: Any) -> None:
+        # Once: Slurm sends more than one (srun passes scancel's or a preemption's on, then
+        # its own as it forces the step's end), and a second one raised inside the ranks' stop
+        # broke it: the join died with a traceback before telling the notebook.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated
 
     if threading.current_thread() is threading.main_thread():

@@ -185,6 +185,8 @@ class NodeRun:
         """A pool's next task, and the notebook's interrupt of the running one (from the store)."""
         try:
             key = self.keys.task(self.next_task)
+            if not self.store.check([key]):
+                key = self._skip_to_newest_task(key)
             if self.store.check([key]):
                 record = self.secret.open(self.store.get(key), key)
                 ranks = record["ranks"]
@@ -212,6 +214,20 @@ class NodeRun:
             self.next_task += 1
         except Exception as exc:
             self.uplink.lost = first_line(exc)
+
+    def _skip_to_newest_task(self, key: str) -> str:
+        """The key of the next task to read, past those this node missed: tasks that had none
+        of its ranks end without it and their keys go when the next one is published (one
+        that had its ranks cannot: the notebook waits for them), so a node still waiting for
+        such a key would never see the tasks after it."""
+        newest_key = self.keys.newest_task
+        if not self.store.check([newest_key]):
+            return key
+        newest = int(self.secret.verify(self.store.get(newest_key), newest_key).decode())
+        if newest > self.next_task:
+            self.next_task = newest
+            return self.keys.task(newest)
+        return key
 
     def _wait_for_old_store(self) -> None:
         """Until the notebook closed this start's rendezvous: joining again before would find

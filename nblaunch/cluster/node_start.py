@@ -78,16 +78,28 @@ class NodeStarter:
             if join.fresh and code not in (None, 0):
                 return (
                     f"join on {join.host} ({self.method}) ended with exit code {code}: "
-                    f"{_last_line(join.log)} (its output: {join.log})"
+                    f"{_telling_line(join.log)} (its output: {join.log})"
                 )
         if any(not join.fresh and join.process.poll() is not None for join in self.started):
             self._start_ended_again(nodes)
         return None
 
-    def lost(self) -> dict[int, str]:
-        """Joins their starter knows lost while the run goes on, by pid: none here (over ssh and
-        srun a lost node is known by its silence)."""
-        return {}
+    def note(self) -> str | None:
+        """For a run that failed: how srun's step of the joins ended, when it ended badly (its
+        step cancelled, a node failed), from what srun said; None otherwise (ssh's commands
+        say nothing more than the nodes' own news)."""
+        if self.method != "srun":
+            return None
+        for join in self.started:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                join.process.wait(2.0)  # srun says how the step ended as it ends
+            code = join.process.poll()
+            if code not in (None, 0):
+                return (
+                    f"the joins' srun step ended with exit code {code}: {_telling_line(join.log)} "
+                    f"(its output: {join.log})"
+                )
+        return None
 
     def renew(self, nodes: int) -> None:
         """Before a pool's next start on ``nodes`` other nodes: the commands still running join
@@ -140,12 +152,14 @@ def start_joins(
         srun = _tool("srun", "run the notebook inside a Slurm allocation")
         command = [
             srun,
+            f"--jobid={os.environ.get('SLURM_JOB_ID', '')}",
             f"--nodes={count}",
+            f"--ntasks={count}",
             "--ntasks-per-node=1",
             f"--exclude={socket.gethostname()}",
             *join,
         ]
-        env = {**os.environ, SECRET_ENV: secret}  # srun passes the environment on
+        env = {**step_free_env(), SECRET_ENV: secret}  # srun passes the environment on
         starter.started.append(_start("srun", command, None, env, log_dir))
         return starter
     ssh = _tool("ssh", "install an OpenSSH client (openssh-client)")
@@ -162,6 +176,17 @@ def start_joins(
         command = [ssh, "-o", "BatchMode=yes", host, remote]
         starter.started.append(_start(host, command, secret + "\n", None, log_dir))
     return starter
+
+
+def step_free_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for an ``srun`` of the whole allocation: without the ``SLURM_*`` that a
+    notebook started by ``srun`` (or a batch script) inherits, which srun reads as its own
+    options. A kernel under ``srun`` has ``SLURM_NTASKS=1`` and the step's one node as
+    ``SLURM_JOB_NODELIST``: srun then runs one task, on no node ("Hostlist is empty"). The job
+    id (passed as ``--jobid`` too) and ``SLURM_CONF`` stay."""
+    environ = dict(os.environ if environ is None else environ)
+    keep = {"SLURM_CONF", "SLURM_JOB_ID"}
+    return {k: v for k, v in environ.items() if not k.startswith("SLURM_") or k in keep}
 
 
 def _other_hosts(hostfile: str | os.PathLike[str] | None, count: int) -> list[str]:
@@ -222,6 +247,17 @@ def _tool(name: str, fix: str) -> str:
     if path is None:
         raise LaunchError(f"{name} is not on PATH: {fix}, or start the join commands yourself")
     return path
+
+
+def _telling_line(log: Path) -> str:
+    """The line of srun's output that says why its step ended (Slurm's ``*** STEP ...
+    CANCELLED ... ***``, ``*** JOB ... DUE TO NODE FAILURE ***``), else its last line."""
+    with contextlib.suppress(OSError):
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+        for line in reversed(lines):
+            if "***" in line:
+                return line
+    return _last_line(log)
 
 
 def _last_line(log: Path) -> str:

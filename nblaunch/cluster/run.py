@@ -66,7 +66,7 @@ from nblaunch.engine.output.relay import EventSource, Relay
 from nblaunch.engine.plan.launch_plan import serialize_payload
 from nblaunch.engine.run.run import Run
 from nblaunch.engine.verdict import Cause, Outcome, RootCause
-from nblaunch.errors import RankFailedError
+from nblaunch.errors import RankFailedError, add_note
 from nblaunch.events import EventSink, RunState
 from nblaunch.options import LaunchOptions, NodeOptions
 
@@ -188,6 +188,9 @@ class MultiNodeLaunch:
                     if self._stop.is_set():  # asked while the nodes gathered
                         self.run.request_stop()
                     return self.run.execute(payload)
+                except Exception as exc:
+                    _note_placement(exc, starter)
+                    raise
                 finally:
                     head.close()
                     if starter is not None:
@@ -207,6 +210,15 @@ class MultiNodeLaunch:
     def outcome(self) -> Outcome:
         """The run's verdict so far (empty before the ranks started)."""
         return self.run.outcome if self.run is not None else Outcome()
+
+
+def _note_placement(exc: BaseException, starter: Any) -> None:
+    """A failed run whose nodes' Slurm job no longer runs (preempted, cancelled, out of time,
+    a node failed) says so, with Slurm's reason and the job's log."""
+    note = getattr(starter, "note", None)  # a Slurm job's (slurm_nodes.SlurmJob)
+    text = note() if callable(note) else None
+    if text:
+        add_note(exc, text)
 
 
 class RemoteNodes:
@@ -343,12 +355,14 @@ class _NodeMonitor:
         )
 
     def _lost(self) -> list[tuple[int, str]]:
-        """The nodes whose join its starter knows lost (a Ray agent reported dead)."""
+        """The nodes whose join its starter knows lost (a Ray agent reported dead; over ssh, srun
+        or a Slurm job a lost node is known by its silence)."""
         head = self.head
-        if self.starter is None or head.control_sent is not None:
+        known = getattr(self.starter, "lost", None)  # a RayStarter's
+        if known is None or head.control_sent is not None:
             return []
         lost = []
-        for pid, message in self.starter.lost().items():
+        for pid, message in known().items():
             node = next((n for n, p in head.join_pids.items() if p == pid), None)
             if node is not None and node not in head.done:
                 lost.append((node, message))

@@ -143,6 +143,11 @@ def notebook_launcher(
         ``num_nodes - 1`` nodes (one agent actor per node runs their join; this node hosts the
         rendezvous on the address Ray reports for it). Uses the Ray this process initialised,
         else ``ray.init(address="auto")``. See :mod:`nblaunch.cluster.ray_nodes` and docs/ray.md.
+        ``"slurm"``: Slurm places them, as a step of this allocation inside one (``srun``), else
+        as a batch job of their own; :class:`nblaunch.SlurmCluster` says what the job asks for
+        (partition, time, GPUs, account) and ``nodes`` stands for ``num_nodes - 1``. The
+        rendezvous defaults to this machine's address toward slurmctld. See
+        :mod:`nblaunch.cluster.slurm_nodes` and docs/multinode.md.
     mixed_precision
         Accelerate's ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``: the ranks get
         ``ACCELERATE_MIXED_PRECISION``, so ``Accelerator()`` in ``function`` trains in it.
@@ -254,11 +259,12 @@ def notebook_launcher(
             "nblaunch.breakpoint() in a blocking launch"
         )
     if cluster is not None:
-        from nblaunch.cluster.ray_nodes import placed_by  # not at import: Ray only when asked
+        from nblaunch.cluster.placement import placed_by  # not at import: ~10 ms, rarely used
 
-        rdzv_endpoint, start_nodes, cluster = placed_by(
+        endpoint, start_nodes, placed, cluster = placed_by(
             cluster, num_nodes, start_nodes, rdzv_endpoint
         )
+        rdzv_endpoint, num_nodes = endpoint, placed or num_nodes
     options = LaunchOptions(
         start_method=start_method,
         debug=debug,

@@ -173,10 +173,11 @@ class DistributedMagics(Magics):
     )
     @magic_arguments.argument(
         "--cluster",
-        choices=("ray",),
+        choices=("ray", "slurm"),
         default=None,
         help="with --nodes: the engine that places the other nodes (a Ray cluster: the Ray this "
-        "kernel initialised, else RAY_ADDRESS or this node's cluster)",
+        "kernel initialised, else RAY_ADDRESS or this node's cluster; slurm: a step of this "
+        "allocation, else a batch job on the default partition)",
     )
     @magic_arguments.argument(
         "--bg",

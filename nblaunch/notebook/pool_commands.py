@@ -53,7 +53,9 @@ def _start_parser(prog: str) -> Any:
     parser.add_argument("--run-id", dest="rdzv_id", default=None, metavar="ID")
     parser.add_argument("--start-nodes", choices=START_NODES, default=None)
     parser.add_argument("--hostfile", default=None, metavar="PATH")
-    parser.add_argument("--cluster", choices=("ray",), default=None, help="with --nodes: Ray")
+    parser.add_argument(
+        "--cluster", choices=("ray", "slurm"), default=None, help="with --nodes: Ray or Slurm"
+    )
     parser.add_argument(
         "--detach",
         action="store_true",

@@ -106,9 +106,11 @@ def make_transport(
     nodes = None
     num_nodes, endpoint, timeout, run_id, start_nodes, hostfile, cluster = node_args
     if cluster is not None:
-        from nblaunch.cluster.ray_nodes import placed_by  # not at import: Ray only when asked
+        from nblaunch.cluster.placement import placed_by  # not at import: ~10 ms, rarely used
 
-        endpoint, start_nodes, cluster = placed_by(cluster, num_nodes, start_nodes, endpoint)
+        endpoint, start_nodes, num_nodes, cluster = placed_by(
+            cluster, num_nodes, start_nodes, endpoint
+        )
     if num_nodes is not None:
         from nblaunch.cluster.pool_nodes import PoolNodes  # not at import: ~10 ms
 

@@ -3,8 +3,9 @@
 :func:`report` is what ``nblaunch env`` and ``%dist env`` print: versions, OS and kernel, CPUs and
 RAM, each accelerator with its name and memory, TPU chips, torch.distributed's backend for each
 device type, whether CUDA or the XLA runtime is already initialised in this process and which
-start methods are therefore safe. :func:`launch_warnings` is what a launch adds
-to its header: a Linux kernel older than 5.5, GPUs of different models or memory sizes.
+start methods are therefore safe, and what it sees of Slurm (its allocation, or the partitions
+it can submit to: :mod:`~nblaunch.engine.plan.slurm_env`). :func:`launch_warnings` is what a
+launch adds to its header: a Linux kernel older than 5.5, GPUs of different models or memory sizes.
 The check of a hostfile's hosts over ssh is :mod:`nblaunch.cluster.hosts`; the front ends print
 its report after this one.
 
@@ -23,7 +24,7 @@ import subprocess
 import sys
 from typing import Any
 
-from nblaunch.engine.plan import devices, gpus
+from nblaunch.engine.plan import devices, gpus, slurm_env
 from nblaunch.engine.plan.gpus import GIB, Accelerator
 from nblaunch.errors import LaunchError
 
@@ -236,6 +237,7 @@ def collect() -> dict[str, Any]:
         "warnings": (launch_warnings(gpus=gpus) if gpus else launch_warnings())
         + ([w] if (w := shm_warning()) and gpus else []),
         "mpirun": mpirun_version(),
+        "slurm": slurm_env.report_lines(),
     }
 
 
@@ -282,6 +284,7 @@ def report() -> str:
         lines.append(f"  XLA runtime initialised in this process: {xla}")
     lines.append(f"  safe start methods: {', '.join(facts['start_methods'])}")
     lines.append(f"  mpirun      {facts['mpirun'] or 'not found on PATH'}")
+    lines += facts["slurm"]
     if facts["warnings"]:
         lines.append("")
         lines += [f"  warning: {w}" for w in facts["warnings"]]
