@@ -68,9 +68,9 @@ test-browser: install
 	$(PY) -m pytest -q -m browser
 
 # The Slurm tests alone (tests/test_slurm.py, ~80 s, and the pure test_slurm_plan.py): a real
-# slurmctld and a slurmd per network namespace, started and stopped by the tests. Needs root and Debian's slurm-wlm and munge
-# (.ci/run installs them); without them the tests are skipped and -rs prints why. `make test`
-# runs them too, where Slurm is installed.
+# slurmctld and a slurmd per network namespace, started and stopped by the tests. Needs root
+# and Debian's slurm-wlm and munge (.ci/run installs them); without them the tests are skipped
+# and -rs prints why. `make test` runs them too, where Slurm is installed.
 test-slurm: install
 	$(PY) -m pytest -q -rs tests/test_slurm.py tests/test_slurm_plan.py
 

@@ -4,7 +4,8 @@
 joined to the first one (the notebook's host, ``10.77.<n>.1``; host ``k`` is ``10.77.<n>.k+1``)
 through a bridge in that namespace. Each namespace has only its loopback and its veth: the
 hostname still resolves to 127.0.x.x, as on a fresh Debian or Ubuntu machine. Every name starts
-with ``nb<pid>`` so that concurrent test runs do not collide; ``close`` removes everything.
+with ``nb<pid><letter>`` so that concurrent test runs, and the networks of one run, do not
+collide; ``close`` removes everything.
 
 ``skip_reason()`` says why no namespace can be made here (not root, no ``ip``), for a skip.
 """
@@ -12,6 +13,7 @@ with ``nb<pid>`` so that concurrent test runs do not collide; ``close`` removes 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -47,11 +49,17 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=COMMAND_TIMEOUT_S)
 
 
+_made_here = itertools.cycle("abcdefghijklmnopqrstuvwxyz")
+
+
 class Network:
     """``count`` hosts (network namespaces) on one private subnet."""
 
     def __init__(self, count: int) -> None:
-        tag = f"nb{os.getpid() % 100000}"
+        # One pytest worker may hold several at once (the Slurm tests keep theirs for the whole
+        # session): a letter per network made in this process. The subnets may repeat: each
+        # network's hosts see only their own namespaces.
+        tag = f"nb{os.getpid() % 100000}{next(_made_here)}"
         self.subnet = f"10.77.{os.getpid() % 250 + 1}"
         self.bridge = f"{tag}br"
         self.hosts = [f"{tag}h{k}" for k in range(count)]
