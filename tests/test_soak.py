@@ -299,9 +299,14 @@ def test_a_detached_pools_host_keeps_no_push_or_pull(soak_kernel):
             timeout=180,
         )
         assert cell["error"] is None, cell
-        grown_mb = (host.memory_info().rss - before) / 2**20
-        # Before the fix the host kept the last request and the pulled value: +50 MB or more.
-        assert grown_mb < 20, grown_mb
+
+        def grown_mb() -> float:
+            return (host.memory_info().rss - before) / 2**20
+
+        # Before the fix the host kept the last request and the pulled value: +50 MB or more,
+        # for good. The host lets go of the last reply once its send returned, which may come
+        # after the notebook read it (once in three suite runs at load 4: +49 MB at once).
+        assert wait_until(lambda: grown_mb() < 20, 5), grown_mb()
     finally:
         kernel.run("pool.close()", timeout=60)
 
