@@ -39,6 +39,7 @@ from nblaunch.cluster.store import (
     parse_endpoint,
     signal_handlers_kept,
 )
+from nblaunch.engine.detached import registry as detached
 from nblaunch.engine.plan.launch_plan import loopback_interface
 from nblaunch.events import NullView
 from nblaunch.options import LaunchOptions, NodeOptions
@@ -625,6 +626,8 @@ def test_a_run_on_two_nodes_goes_on_detached_and_in_the_background(nodes, tmp_pa
     nodes.start_joiner()
     assert handle.result(60) == [("0", nodes.run_id), ("1", nodes.run_id)]
     assert "all 2 nodes joined" in (handle.run_dir / "nodes.log").read_text()
+    host = detached.find(handle.id).pid  # the run host ends with its run, leaving nothing
+    assert wait_until(lambda: not detached.host_alive(host), 15)
 
     # In the background, stopped while the nodes gather: the rendezvous closes, nothing is left.
     waiting = notebook_launcher(print, (), 1, block=False, display="none", **options)
