@@ -91,9 +91,6 @@ class JoinAgent:
             "versions": versions(),
         }
 
-    def poll(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
     def tail(self) -> str:
         """The join's last line of output."""
         with contextlib.suppress(OSError):

@@ -222,12 +222,20 @@ class RayJoin:
     pid: int | None = None  # the join's, once started
     ended: Any = None  # the pending ``JoinAgent.ended`` call, once started
 
+    def ended_with(self, ray: Any) -> tuple[bool, int | None]:
+        """Whether the join ended, and its exit code (None when its agent itself is gone), read
+        from the pending ``ended`` call without asking the agent anything."""
+        if self.ended is None or not ray.wait([self.ended], timeout=0)[0]:
+            return False, None
+        try:
+            return True, ray.get(self.ended, timeout=0)
+        except ray.exceptions.RayError:
+            return True, None
+
     def exit_code(self, ray: Any) -> int | None:
         """The join's exit code; None while it runs; -1 when the agent itself is gone."""
-        try:
-            return ray.get(self.agent.poll.remote(), timeout=10)
-        except ray.exceptions.RayError:
-            return -1
+        ended, code = self.ended_with(ray)
+        return (-1 if code is None else code) if ended else None
 
 
 @dataclass
@@ -268,28 +276,19 @@ class RayStarter:
             join.pid, join.ended = pid, join.agent.ended.remote()
 
     def lost(self) -> dict[int, str]:
-        """The joins lost since last asked, by pid (at most every :data:`LOOK_S`): those whose
-        agent Ray reports dead (its node or raylet was lost), or that were killed. A join that
-        ended by itself is not here: it says so through the store."""
+        """The joins lost, by pid (looked at every :data:`LOOK_S` at most): those whose agent
+        Ray reports dead (its node or raylet was lost), or that were killed. A join that ended
+        by itself is not here: it says so through the store."""
         now = time.monotonic()
-        watched = [join for join in self.started if join.ended is not None]
-        if not watched or now < self._next_look:
+        if now < self._next_look:
             return {}
         self._next_look = now + LOOK_S
-        ray = self.ray
-        refs = [join.ended for join in watched]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         lost = {}
-        for join in watched:
-            if join.ended not in ready:
-                continue
-            ref, join.ended = join.ended, None
-            try:
-                code = ray.get(ref, timeout=0)
-            except ray.exceptions.RayError:
+        for join in self.started:
+            ended, code = join.ended_with(self.ray)
+            if ended and code is None:
                 lost[join.pid] = "its Ray agent died: the Ray node or its raylet was lost"
-                continue
-            if code < 0:
+            elif ended and code < 0:
                 lost[join.pid] = f"its join was killed by signal {-code} on its Ray node"
         return lost
 
