@@ -14,9 +14,11 @@ SAY_TORCH = $(PY) -c "import torch; c = torch.version.cuda; print('torch', torch
 
 # The suite runs on PYTEST_WORKERS processes, a test file to each (pytest-xdist; 0: in this one):
 # its tests mostly wait on ranks, so 2 take 580 s where one took 973 s on this project's 2 cores.
-# (exported: the matrix cells of noxfile.py run theirs so too)
+# (exported: the matrix cells of noxfile.py run theirs so too). Files go out in collection order,
+# the longest first (tests/conftest.py's LONGEST_FILES): 896 s on 2026-12-07, each worker's
+# tests adding up to 882 s; 928 s the run before in xdist's own order (most tests first).
 export PYTEST_WORKERS ?= 2
-PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
+PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: demo test test-fast test-matrix test-ci-cuda test-browser test-slurm test-xla screenshots lint bench docs install clean lab-build
 

@@ -38,7 +38,8 @@ BUILDS = ["cpu", "cuda"]
 # The fast tests in PYTEST_WORKERS processes, a test file to each, as `make test` runs them (the
 # Makefile exports it; 0: in one process).
 WORKERS = os.environ.get("PYTEST_WORKERS", "2")
-FAST = ["-m", "not browser and not slow", "-n", WORKERS, "--dist", "loadfile"]
+PARALLEL = ["-n", WORKERS, "--dist", "loadfile", "--no-loadscope-reorder"]
+FAST = ["-m", "not browser and not slow", *PARALLEL]
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 RESULTS = Path(".nox/matrix.tsv")
 NO_WHEEL = "no torch"  # how a cell's detail starts when its torch would not install

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import ROOT, rank_children, wait_until
+from conftest import ROOT, assert_no_ranks_left, rank_children, wait_until
 from scripted import Print, Script, raises, returns
 
 import nblaunch
@@ -167,7 +167,7 @@ def test_block_false_returns_while_the_ranks_run_and_result_waits_for_their_valu
     assert handle in nblaunch.runs()
     assert handle.result(timeout=60) == [100, 101]
     assert handle.state == "done" and handle.done()
-    assert wait_until(lambda: not rank_children(), 10)
+    assert_no_ranks_left(10)
 
 
 def test_result_raises_rank_ones_exception_and_a_timeout_leaves_the_run_going():
@@ -192,7 +192,7 @@ def test_stop_ends_every_rank_and_a_second_run_may_start_while_one_goes_on():
         slow.result(timeout=30)
     stopper.join()
     assert slow.state == "stopped"
-    assert wait_until(lambda: not rank_children(), 10)
+    assert_no_ranks_left(10)
 
 
 def test_what_a_background_run_cannot_do_is_refused_before_anything_starts():

@@ -25,7 +25,7 @@ from nblaunch.options import LaunchOptions
 from nblaunch.ranks.checks import fingerprints
 from nblaunch.ranks.checks.debug_report import digest, mismatch_message, record_of, same_facts
 from nblaunch.ranks.checks.fingerprints import CALL, CALL_TAG, Outbox, Route, definition
-from tests.conftest import rank_children, wait_until
+from tests.conftest import assert_no_ranks_left, wait_until
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -47,7 +47,7 @@ def reported(function, **kwargs) -> tuple[str, float]:
     with pytest.raises(DistributedOperationException) as info:
         launch(function, **kwargs)
     elapsed = time.monotonic() - started
-    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+    assert_no_ranks_left(10)
     return str(info.value), elapsed
 
 

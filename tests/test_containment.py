@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import rank_children, wait_until
+from conftest import assert_no_ranks_left, rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, RankFailedError, notebook_launcher
@@ -78,7 +78,7 @@ def test_the_children_of_ranks_end_with_the_run(tmp_path, fail):
         pid for pid in pids if alive(pid)
     ]
     assert time.monotonic() - ended < 5
-    assert wait_until(lambda: not rank_children(), timeout=5), rank_children()
+    assert_no_ranks_left(5)
 
 
 SCRIPT_WITH_CHILDREN = """
@@ -242,7 +242,7 @@ def test_sys_exit_on_one_rank_is_a_rank_failure_and_the_caller_goes_on(code):
     assert first_line.startswith(f"rank 1 of 2 called sys.exit({code})"), first_line
     if code == 0:
         assert "rank 1 exited after 0 collectives; rank 0 waits in all_reduce" in first_line
-    assert wait_until(lambda: not rank_children(), timeout=5)
+    assert_no_ranks_left(5)
 
 
 def exit_everywhere():
@@ -369,4 +369,4 @@ def test_a_known_root_cause_stops_a_blocked_rank_at_once_and_quietly(tmp_path):
             launch(fail_while_peer_ignores_sigterm, (str(stamp),))
     delay = time.time() - float(stamp.read_text())
     assert delay < 1.0, delay  # 0.5 s of grace at most, plus reading the failure
-    assert wait_until(lambda: not rank_children(), timeout=5)
+    assert_no_ranks_left(5)

@@ -19,7 +19,7 @@ from nblaunch.engine.monitors.deadlock import (
     wait_of,
 )
 from nblaunch.engine.monitors.hang import HangMonitor
-from tests.conftest import rank_children, wait_until
+from tests.conftest import assert_no_ranks_left
 from tests.test_watchdog import FakeRun, launch, line_of
 
 MEMBERS = {"0": [0, 1], "1": [0, 1]}
@@ -234,7 +234,7 @@ def proven(function, **kwargs) -> tuple[str, float]:
     with pytest.raises(DistributedHangError) as info:
         launch(function, **kwargs)
     elapsed = time.monotonic() - started
-    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+    assert_no_ranks_left(10)
     return re.sub(r"[^\s\"]*test_deadlock\.py", "test_deadlock.py", str(info.value)), elapsed
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import rank_children, wait_until
+from conftest import assert_no_ranks_left
 
 SCRIPT = textwrap.dedent(
     """
@@ -115,7 +115,7 @@ def test_quitting_the_debugger_ends_the_run_on_every_rank(tmp_path):
         in out
     )
     assert "RESULT [" not in out
-    assert wait_until(lambda: not rank_children(), timeout=5)
+    assert_no_ranks_left(5)
 
 
 @pytest.fixture(scope="module")

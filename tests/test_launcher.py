@@ -17,7 +17,7 @@ import traceback
 
 import psutil
 import pytest
-from conftest import RANKS_LEFT_CODE, rank_children, wait_until
+from conftest import RANKS_LEFT_CODE, assert_no_ranks_left, rank_children, wait_until
 
 import nblaunch
 from nblaunch import LaunchError, LaunchTimeoutError, RankFailedError, notebook_launcher
@@ -493,7 +493,7 @@ def test_a_rank_that_ignores_sigterm_at_a_timeout_is_killed_with_a_warning():
     with pytest.warns(RuntimeWarning, match="rank 0 .* ignored SIGTERM"):
         with pytest.raises(LaunchTimeoutError):
             launch(stubborn, timeout=3)
-    assert wait_until(lambda: not rank_children(), timeout=5)
+    assert_no_ranks_left(5)
 
 
 def test_timeout_stops_the_run_and_names_running_ranks():
@@ -507,7 +507,7 @@ def test_timeout_stops_the_run_and_names_running_ranks():
     with pytest.raises(LaunchTimeoutError, match=r"rank\(s\) 1 of 2 still running"):
         launch(slow, timeout=1.5, setup_process_group=False)
     assert time.monotonic() - started < 8
-    assert wait_until(lambda: not rank_children(), timeout=5)
+    assert_no_ranks_left(5)
 
 
 def test_interrupt_stops_every_rank_and_the_next_launch_works():
@@ -523,7 +523,7 @@ def test_interrupt_stops_every_rank_and_the_next_launch_works():
     with pytest.raises(KeyboardInterrupt):
         launch(forever)
     assert time.monotonic() - started < 1.5 + 5
-    assert wait_until(lambda: not rank_children(), timeout=5)
+    assert_no_ranks_left(5)
     assert signal.getsignal(signal.SIGINT) is handler_before
     assert launch(lambda: nblaunch.rank()) == [0, 1]
 
@@ -600,7 +600,7 @@ def test_fifty_launches_leak_no_processes_threads_or_descriptors():
     fds, threads = _open_fds(), threading.active_count()
     for _ in range(50):
         assert launch(lambda: nblaunch.rank()) == [0, 1]
-    assert wait_until(lambda: not rank_children(), timeout=5)
+    assert_no_ranks_left(5)
     assert wait_until(lambda: supervisor_module.reap_let_go() == 0, timeout=5)
     gc.collect()
     assert threading.active_count() == threads
@@ -923,6 +923,6 @@ def test_the_values_come_back_before_the_process_groups_teardown(tmp_path):
     launch(slow_teardown, (marker,))
     returned, took = time.time(), time.monotonic() - started
     # Both ranks finish their teardown after the launch returned, and leave nothing behind.
-    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+    assert_no_ranks_left(10)
     ended = [float((tmp_path / f"torn-down-{rank}").read_text()) for rank in (0, 1)]
     assert all(end > returned for end in ended), (ended, returned, took)

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import rank_children, wait_until
+from conftest import assert_no_ranks_left
 
 import nblaunch
 from nblaunch.engine.monitors import batch_size
@@ -339,7 +339,7 @@ def test_oom_on_rank_1_while_rank_0_waits_in_a_collective_restarts_all_ranks():
     assert "64 x (rank 1: out of memory; all ranks restarted) -> 32 ok" in texts
     assert texts[-1] == "batch 32 per rank x 2 ranks = 64 effective"
     assert elapsed < 60
-    assert wait_until(lambda: not rank_children(), 10)
+    assert_no_ranks_left(10)
 
 
 def test_real_cpu_oom_on_rank_1_in_a_launch():

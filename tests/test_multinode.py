@@ -19,7 +19,7 @@ from pathlib import Path
 import cloudpickle
 import psutil
 import pytest
-from conftest import rank_children, wait_until
+from conftest import assert_no_ranks_left, rank_children, wait_until
 
 from nblaunch import (
     DistributedOperationException,
@@ -379,7 +379,7 @@ def test_two_nodes_run_and_return_every_ranks_value(nodes, capfd):
     assert f"--run-id {nodes.run_id}" in log and "node 1 started" in log
     assert "NBLAUNCH_RUN_SECRET=<the run's secret>" in log  # the secret stays out of files
     assert not port_answers(HEAD, nodes.port), "the rendezvous port is still open"
-    assert wait_until(lambda: not rank_children(), 5)
+    assert_no_ranks_left(5)
 
 
 def _fail_on_the_remote_node():
@@ -404,7 +404,7 @@ def test_a_failure_on_the_other_node_fails_the_run_with_its_exception(nodes):
     assert "raised on rank 1 of 2" in "\n".join(getattr(caught.value, "__notes__", []))
     assert joiner.wait(15) == 1, joiner.output()  # the other node stopped its ranks
     assert not joiner.descendants()
-    assert wait_until(lambda: not rank_children(), 5)
+    assert_no_ranks_left(5)
     failures = [e for e in view.of("failure") if e["rank"] == 1]
     assert failures and failures[0]["host"] and failures[0]["node"] == 1  # tagged with its node
     assert "about to fail" in (nodes.run_dir / "rank1.log").read_text()
@@ -449,7 +449,7 @@ def test_a_remote_rank_that_dies_without_an_exception_is_named(nodes):
     assert caught.value.rank == 1 and caught.value.exitcode == 7
     assert "last words" in str(caught.value)  # its last output travelled with it
     assert joiner.wait(15) == 1, joiner.output()
-    assert wait_until(lambda: not rank_children(), 5)
+    assert_no_ranks_left(5)
 
 
 @pytest.mark.slow
@@ -493,7 +493,7 @@ def test_interrupt_stops_every_node_and_keeps_the_notebooks_handler(nodes):
     assert signal.getsignal(signal.SIGINT) is handler_before
     assert joiner.wait(15) == 1, joiner.output()
     assert not joiner.descendants()
-    assert wait_until(lambda: not rank_children(), 5)
+    assert_no_ranks_left(5)
     # The remote rank saw the interrupt as a KeyboardInterrupt in its task.
     remote = [e for e in view.of("failure") if e["rank"] == 1]
     assert remote and remote[0]["exc_type"] == "builtins.KeyboardInterrupt"
@@ -518,9 +518,7 @@ def test_a_node_that_goes_silent_fails_the_run(nodes, monkeypatch):
         nodes.launch(_sleep_forever, view=view)
     thread.join(5)
     assert time.monotonic() - started < 60
-    assert wait_until(lambda: not rank_children(), 5), [
-        (p.pid, p.cmdline()) for p in rank_children()
-    ]
+    assert_no_ranks_left(5)
 
 
 @pytest.mark.slow
@@ -575,7 +573,7 @@ def test_a_node_stopped_on_its_own_fails_the_run(nodes):
     thread.join(5)
     assert joiner.wait(15) == 1, joiner.output()
     assert not joiner.descendants()
-    assert wait_until(lambda: not rank_children(), 5)
+    assert_no_ranks_left(5)
 
 
 # --- pinned run ids, and the join command told whatever the display ---------------------------

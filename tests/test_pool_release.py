@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import rank_children, wait_until
+from conftest import assert_no_ranks_left, rank_children, wait_until
 
 from nblaunch import PoolRestartedError
 from nblaunch.engine.monitors.collective_checks import owed_calls
@@ -27,7 +27,7 @@ def pool():
     pool = start_pool(2, device_type="cpu", display="none", hang_timeout=10)
     yield pool
     pool.close()
-    assert wait_until(lambda: not rank_children(), timeout=5)
+    assert_no_ranks_left(5)
 
 
 def keep_a_model():

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import RANKS_LEFT_CODE, ROOT, rank_children, wait_until
+from conftest import RANKS_LEFT_CODE, ROOT, assert_no_ranks_left
 
 from nblaunch import (
     DistributedHangError,
@@ -67,7 +67,7 @@ def ddp_early_break():
 
 
 def assert_nothing_left() -> None:
-    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+    assert_no_ranks_left(10)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from nblaunch.options import LaunchOptions
 from nblaunch.ranks import heartbeat
 from nblaunch.ranks.checks import process_groups
 from nblaunch.ranks.checks.debug_report import split_site
-from tests.conftest import rank_children, wait_until
+from tests.conftest import assert_no_ranks_left
 
 
 def launch(function, args=(), **kwargs):
@@ -104,7 +104,7 @@ def test_a_mismatch_in_a_collective_torch_issued_itself_is_named_from_the_record
     assert any(f"Process 1: test_recorder.py:{line}" in message for line in lines), message
     assert "(torch's numbers, from its flight recorder)" in message
     assert elapsed < 10, elapsed
-    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+    assert_no_ranks_left(10)
 
 
 def ddp_step_skipped_before_a_gather():
@@ -137,7 +137,7 @@ def test_ddps_all_reduce_after_an_nblaunch_call_is_named_as_ddps():
     assert "rank 0 entered DDP's backward all-reduce" in message, message
     assert f"rank 1 called gather at test_recorder.py:{line}" in message
     assert elapsed < 10, elapsed
-    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+    assert_no_ranks_left(10)
 
 
 def test_a_collective_torch_issued_is_placed_on_the_users_line_not_the_processs_command():
@@ -220,7 +220,7 @@ def test_a_hang_after_a_send_and_receive_names_the_collective_from_the_recorder(
     # status counts them, #11 there: they are taken out).
     assert "rank 0 waits in DDP gradient all-reduce (collective #10, shapes [[20]])" in text, text
     assert elapsed < 30, elapsed
-    assert wait_until(lambda: not rank_children(), timeout=10), rank_children()
+    assert_no_ranks_left(10)
 
 
 # --- NCCL's recorder, through a stand-in --------------------------------------------------------

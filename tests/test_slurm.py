@@ -68,7 +68,9 @@ def trains(seconds=120):
 """
 
 
-@pytest.fixture(scope="session")
+# Module-scoped: its daemons are children of this test process, and the tests that follow in
+# it check that no child of theirs is left (conftest.rank_children).
+@pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("slurm")
     network = Network(3)
