@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import cloudpickle
@@ -32,7 +33,7 @@ from nblaunch import (
 from nblaunch.cluster import head as cluster_head
 from nblaunch.cluster.network import Route, describe, route_to, socket_env
 from nblaunch.cluster.plan import MultiNodePlan
-from nblaunch.cluster.run import launch_multinode
+from nblaunch.cluster.run import MultiNodeRun, launch_multinode
 from nblaunch.cluster.store import (
     BoundedStore,
     node_rank_of,
@@ -307,6 +308,13 @@ def test_an_endpoint_that_is_not_this_machine_is_refused():
         )
 
 
+def test_a_node_is_named_with_its_host_once_it_said_it():
+    run = MultiNodeRun.__new__(MultiNodeRun)  # only its head's host names are read
+    run.head = types.SimpleNamespace(hosts={1: "vm-a"})
+    assert run.node_named(1) == "node 1 (vm-a)"
+    assert run.node_named(2) == "node 2"  # not "node 2 (node 2)" or "node 2 (?)"
+
+
 def test_signal_handlers_are_put_back():
     def mine(signum, frame):
         pass
@@ -567,7 +575,7 @@ def test_a_node_stopped_on_its_own_fails_the_run(nodes):
 
     thread = threading.Thread(target=cancel_the_other_node, daemon=True)
     thread.start()
-    stopped = r"node 1 .* stopped its ranks on its own: terminated on this node \(SIGTERM"
+    stopped = r"node 1 .* stopped its ranks on its own: terminated on this node \(SIGTERM: kill\)"
     with pytest.raises(RankFailedError, match=stopped):
         nodes.launch(_sleep_forever, view=view)
     thread.join(5)

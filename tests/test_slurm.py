@@ -360,7 +360,7 @@ class TestAJobOfTheirOwn:
         assert "at" in preempted and cell["error"] is not None, cell["out"][-2000:]
         said = cell["message"] + "\n".join(cell["traceback"]) + cell["out"]
         # The nodes' joins say SIGTERM (once, though Slurm sends more), the job its end.
-        assert "terminated on this node (SIGTERM" in said, said[-3000:]
+        assert "terminated on this node (SIGTERM: Slurm ended its step or job" in said, said[-3000:]
         ended = r"Slurm job \d+ PREEMPTED.*its log: \S+slurm-\d+\.out \(.*DUE TO PREEMPTION \*\*\*"
         assert re.search(ended, said), said[-3000:]
         assert time.monotonic() - preempted["at"] < 30

@@ -41,8 +41,8 @@ NOTEBOOK_SILENCE_S = 8.0
 
 
 class Terminated(KeyboardInterrupt):
-    """A join was sent SIGTERM (``kill``, ``scancel``, or its Ray agent ended): it stops its
-    ranks as on Ctrl-C, and the notebook is told it was terminated."""
+    """A join was sent SIGTERM (``kill``, Slurm, or its Ray agent's end): it stops its ranks as
+    on Ctrl-C, and the notebook is told who may have sent it (``node_run.sigterm_senders``)."""
 
 
 class Keys:

@@ -29,6 +29,7 @@ from nblaunch.cluster.channel import (
     read_reason,
 )
 from nblaunch.cluster.plan import MultiNodePlan
+from nblaunch.cluster.ray_agent import RAY_AGENT_ENV
 from nblaunch.cluster.trust import RunSecret
 from nblaunch.engine.monitors.collective_checks import reader_for
 from nblaunch.engine.output.relay import Relay
@@ -152,7 +153,7 @@ class NodeRun:
                     outcome = "stopped: the pool restarts"
                     break
         except Terminated:
-            outcome = "terminated on this node (SIGTERM: kill, scancel, or its Ray agent ended)"
+            outcome = f"terminated on this node (SIGTERM: {sigterm_senders()})"
         except KeyboardInterrupt:
             outcome = "interrupted on this node"
         except Exception as exc:  # starting the ranks failed: the notebook must hear why
@@ -281,3 +282,12 @@ class NodeRun:
                     "forged_control", message="a forged control value was ignored on this node"
                 )
             return None
+
+
+def sigterm_senders() -> str:
+    """Who sends a join SIGTERM, by what started it: its Ray agent, Slurm, or a person."""
+    if os.environ.get(RAY_AGENT_ENV):
+        return "its Ray agent ended or stopped it, or kill"
+    if "SLURM_JOB_ID" in os.environ:
+        return "Slurm ended its step or job (scancel, preemption, a time limit), or kill"
+    return "kill"

@@ -25,6 +25,8 @@ from nblaunch.cluster.trust import SECRET_ENV
 
 # PR_SET_PDEATHSIG, from <linux/prctl.h>.
 _PR_SET_PDEATHSIG = 1
+# Set for the join an agent starts: a SIGTERM it gets then comes from its agent's end.
+RAY_AGENT_ENV = "NBLAUNCH_RAY_AGENT"
 
 
 def versions() -> dict[str, str]:
@@ -56,7 +58,7 @@ class JoinAgent:
     def start(self, command: list[str], secret: str) -> int:
         """Start the join (once every node is placed and checked: it looks for the run at
         once); its pid."""
-        env = {**os.environ, SECRET_ENV: secret}
+        env = {**os.environ, SECRET_ENV: secret, RAY_AGENT_ENV: "1"}
         fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             # Its own session (the agent's signals are Ray's), and SIGTERM when the agent dies.

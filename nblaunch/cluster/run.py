@@ -339,18 +339,15 @@ class _NodeMonitor:
             head.unreachable.add(node)
         plan = head.plan
         first = node * plan.nproc_per_node
-        host = head.hosts.get(node, f"node {node}")
-        text = (
-            f"node {node} ({host}), {rank_span(first, first + plan.nproc_per_node - 1)}, "
-            f"{message}; {after}"
-        )
+        name = run.node_named(node)
+        text = f"{name}, {rank_span(first, first + plan.nproc_per_node - 1)}, {message}; {after}"
         for rank in range(first, first + plan.nproc_per_node):
             run.set_state(rank, RunState.FAILED, message[:200])
         return RootCause(
             Cause.NODE,
             first,
             text,
-            title=f"node {node} ({host}) failed",
+            title=f"{name} failed",
             exception=RankFailedError(text, rank=first, world_size=plan.world_size),
         )
 

@@ -371,8 +371,7 @@ class PoolEngine:
     def _describe_node(self, rank: int) -> str:
         """``node 1 (host)``: the node of ``rank`` in a multi-node pool."""
         assert self.engine is not None
-        node = rank // self.engine.plan.nproc_per_node
-        return f"node {node} ({self.engine.host_of(node)})"
+        return self.engine.node_named(rank // self.engine.plan.nproc_per_node)
 
     def _break(self, problem: str) -> None:
         """A rank died: stop the others (their process group is broken) and remember why."""

@@ -140,6 +140,11 @@ class RunBase:
         """The host name of ``node`` (``"?"`` until it said)."""
         return "?"
 
+    def node_named(self, node: int) -> str:
+        """``node 1 (its host)``, or ``node 1`` until it said its host name."""
+        host = self.host_of(node)
+        return f"node {node}" if host == "?" else f"node {node} ({host})"
+
     def release_nodes(self, rejoin: bool) -> None:
         """Let go of other nodes (a multi-node pool's); a single-node run has none."""
 
