@@ -23,6 +23,7 @@ import gc, json, os, sys, threading, time
 import nblaunch
 import nblaunch.engine.detached.registry
 import nblaunch.engine.processes.spares
+import nblaunch.engine.processes.supervisor
 
 def quick():
     return nblaunch.rank()
@@ -50,14 +51,18 @@ def stop(h):
         pass
 
 def count(what):
-    # The spare ranks forked after each launch hold pipes: count once they are all there.
+    # The spare ranks forked after each launch hold pipes: count once they are all there. The
+    # ranks earlier launches let go hold theirs until the next launch joins them, 2 or 4 of them
+    # as they happened to exit: count once they are joined, as that launch would.
     nblaunch.engine.processes.spares.pids()
+    nblaunch.engine.processes.supervisor.reap_let_go(wait=True)
     pid = os.getpid()
     with open("/proc/net/unix") as f:
         checks = sum(f"@nblaunch-checks-{pid}-" in line for line in f)
     import ipywidgets.widgets.widget as w
     print(json.dumps({"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
-                      "checks": checks, "widgets": len(w._instances), "what": what}))
+                      "checks": checks, "widgets": len(w._instances), "what": what,
+                      "spares": len(nblaunch.engine.processes.spares.pids())}))
 """
 
 
