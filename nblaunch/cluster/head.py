@@ -23,7 +23,7 @@ from nblaunch.cluster.channel import (
     Keys,
     local_host_name,
 )
-from nblaunch.cluster.node_start import NodeStarter, start_joins
+from nblaunch.cluster.node_start import JoinStarter, start_joins
 from nblaunch.cluster.plan import MultiNodePlan
 from nblaunch.cluster.store import (
     connect_store,
@@ -92,7 +92,7 @@ class Head:
 
     # --- before the ranks start --------------------------------------------------------------
 
-    def start_joins(self, nodes: NodeOptions) -> Any:
+    def start_joins(self, nodes: NodeOptions) -> JoinStarter:
         """Start ``join`` on the other nodes from here: over ssh or srun
         (:mod:`nblaunch.cluster.node_start`), placed by Ray (:mod:`nblaunch.cluster.ray_nodes`),
         or as a Slurm job (:mod:`nblaunch.cluster.slurm_nodes`).
@@ -148,7 +148,7 @@ class Head:
         self,
         payload: bytes | None,
         timeout: float,
-        starter: NodeStarter | None = None,
+        starter: JoinStarter | None = None,
         stop: threading.Event | None = None,
     ) -> None:
         """Publish the run, wait for every node, and show each one as it arrives.
@@ -320,7 +320,7 @@ class Rendezvous:
         self,
         payload: bytes | None,
         timeout: float,
-        starter: NodeStarter | None,
+        starter: JoinStarter | None,
         stop: threading.Event | None = None,
     ) -> None:
         """Publish the run, wait for every node, and show each one as it arrives.

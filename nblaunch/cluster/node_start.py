@@ -17,6 +17,7 @@ stopped.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import shlex
@@ -37,6 +38,38 @@ from nblaunch.errors import LaunchError
 END_WAIT_S = 15.0
 
 
+class JoinStarter(abc.ABC):
+    """What started the other nodes' ``join`` from the notebook: commands over ssh or srun
+    (:class:`NodeStarter`), a Slurm job (:class:`~nblaunch.cluster.slurm_nodes.SlurmJob`), or
+    Ray's agents (:class:`~nblaunch.cluster.ray_nodes.RayStarter`)."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """Where the joins run and where their output goes."""
+
+    @abc.abstractmethod
+    def problem(self, nodes: int) -> str | None:
+        """What ended badly before every node joined (None: all well so far)."""
+
+    def note(self) -> str | None:
+        """For a run that failed: what this starter knows of how the joins ended (None:
+        nothing more than the nodes' own news)."""
+        return None
+
+    def lost(self) -> dict[int, str]:
+        """The joins known lost while the ranks run, by pid, with why (none: a lost node is
+        known by its silence)."""
+        return {}
+
+    @abc.abstractmethod
+    def renew(self, nodes: int) -> None:
+        """Before a pool's next start on ``nodes`` other nodes."""
+
+    @abc.abstractmethod
+    def close(self, wait_s: float = END_WAIT_S) -> None:
+        """Wait (bounded) for the joins to end with their run; stop those that do not."""
+
+
 @dataclass
 class StartedJoin:
     """One started command: ``host`` (or "srun"), its process and its log file, and how it
@@ -55,7 +88,7 @@ class StartedJoin:
 
 
 @dataclass
-class NodeStarter:
+class NodeStarter(JoinStarter):
     """The ``join`` commands the notebook started on the other nodes."""
 
     method: str

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from nblaunch.cluster.head import Head
+from nblaunch.cluster.node_start import JoinStarter
 from nblaunch.cluster.plan import plan_nodes
 from nblaunch.cluster.run import MultiNodeRun
 from nblaunch.cluster.store import signal_handlers_kept
@@ -27,7 +28,7 @@ class PoolNodes:
     def __init__(self, options: NodeOptions) -> None:
         self.options = options
         self._secret: Any = None
-        self.starter: Any = None  # the join commands this pool started (start_nodes)
+        self.starter: JoinStarter | None = None  # the joins this pool started (start_nodes)
 
     def plan(self, function: Any, num_processes: int | None, options: LaunchOptions) -> Any:
         """The plan of this node (node 0); later starts keep its run id."""

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nblaunch.cluster.node_start import JoinStarter
 from nblaunch.cluster.ray_agent import JoinAgent, versions
 from nblaunch.engine.plan.launch_plan import choose_port
 from nblaunch.errors import LaunchError
@@ -239,7 +240,7 @@ class RayJoin:
 
 
 @dataclass
-class RayStarter:
+class RayStarter(JoinStarter):
     """The agents this notebook started on the other nodes, and their placement group."""
 
     ray: Any

@@ -56,7 +56,7 @@ from nblaunch.cluster.channel import (
     rank_span,
 )
 from nblaunch.cluster.head import Head
-from nblaunch.cluster.node_start import NodeStarter
+from nblaunch.cluster.node_start import JoinStarter
 from nblaunch.cluster.plan import MultiNodePlan, plan_nodes
 from nblaunch.cluster.store import require_store_queues, signal_handlers_kept
 from nblaunch.engine.background.background_run import BackgroundTask
@@ -177,7 +177,7 @@ class MultiNodeLaunch:
     def execute(self, payload: bytes) -> list[Any]:
         """Run ``payload`` on every rank of every node; see :func:`launch_multinode`."""
         with signal_handlers_kept():
-            starter: NodeStarter | None = None
+            starter: JoinStarter | None = None
             try:
                 head = Head(self.plan, self.view)
                 try:
@@ -212,11 +212,11 @@ class MultiNodeLaunch:
         return self.run.outcome if self.run is not None else Outcome()
 
 
-def _note_placement(exc: BaseException, starter: Any) -> None:
-    """A failed run whose nodes' Slurm job no longer runs (preempted, cancelled, out of time,
-    a node failed) says so, with Slurm's reason and the job's log."""
-    note = getattr(starter, "note", None)  # a Slurm job's (slurm_nodes.SlurmJob)
-    text = note() if callable(note) else None
+def _note_placement(exc: BaseException, starter: JoinStarter | None) -> None:
+    """A failed run says what its starter knows of how the joins ended: a Slurm job that no
+    longer runs (preempted, cancelled, out of time, a node failed), with Slurm's reason and the
+    job's log; srun's step that ended badly."""
+    text = starter.note() if starter is not None else None
     if text:
         add_note(exc, text)
 
@@ -288,7 +288,7 @@ class _NodeMonitor:
     """Fails the run when another node breaks down, goes silent, or its starter knows it lost
     (its ranks then count as lost)."""
 
-    def __init__(self, head: Head, starter: NodeStarter | None) -> None:
+    def __init__(self, head: Head, starter: JoinStarter | None) -> None:
         self.head = head
         self.starter = starter
 
@@ -355,11 +355,10 @@ class _NodeMonitor:
         """The nodes whose join its starter knows lost (a Ray agent reported dead; over ssh, srun
         or a Slurm job a lost node is known by its silence)."""
         head = self.head
-        known = getattr(self.starter, "lost", None)  # a RayStarter's
-        if known is None or head.control_sent is not None:
+        if self.starter is None or head.control_sent is not None:
             return []
         lost = []
-        for pid, message in known().items():
+        for pid, message in self.starter.lost().items():
             node = next((n for n, p in head.join_pids.items() if p == pid), None)
             if node is not None and node not in head.done:
                 lost.append((node, message))
@@ -382,7 +381,7 @@ class MultiNodeRun(Run):
         plan: MultiNodePlan,
         view: EventSink,
         head: Head,
-        starter: NodeStarter | None = None,
+        starter: JoinStarter | None = None,
     ) -> None:
         self.head = head  # before the run's own set-up, which asks for its monitors
         self.starter = starter  # what started the other nodes' joins, if this notebook did

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from nblaunch.cluster.network import route_to
+from nblaunch.cluster.node_start import JoinStarter
 from nblaunch.cluster.trust import SECRET_ENV
 from nblaunch.engine.plan.launch_plan import choose_port
 from nblaunch.errors import LaunchError
@@ -329,7 +330,7 @@ def batch_script(count: int, endpoint: str, run_id: str) -> str:
 
 
 @dataclass
-class SlurmJob:
+class SlurmJob(JoinStarter):
     """The batch job that holds a run's other nodes, as the notebook holds it (the ``starter``
     of :meth:`nblaunch.cluster.head.Head.start_joins`).
 
